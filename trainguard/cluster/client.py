@@ -1,0 +1,240 @@
+"""Talking to the scheduler from a worker or an agent: blocking sockets, reconnects with backoff.
+
+A worker holds two connections: one for requests (register, join, agree, store) and one for
+heartbeats, whose loss tells the scheduler the process died. If the scheduler dies, both
+reconnect with backoff; a restarted scheduler recognises the worker by node id and
+incarnation, so training never waits on it unless membership changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import (ClusterFailed, FencedError, ProtocolError, RegistrationRejected, RendezvousTimeout,
+                      SchedulerUnavailable)
+from . import protocol as p
+
+log = logging.getLogger("trainguard.client")
+
+Address = tuple[str, int]
+BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
+
+
+class Connection:
+    """One socket, one request at a time."""
+
+    def __init__(self, address: Address, timeout: float):
+        self.address = address
+        try:
+            self.sock = socket.create_connection(address, timeout=timeout)
+        except OSError as exc:
+            raise SchedulerUnavailable(f"cannot reach the scheduler at {address[0]}:{address[1]}: {exc}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(None)
+
+    def request(self, msg, timeout: float | None = None):
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.sendall(p.encode(msg))
+            reply = p.decode_reply(p.read_frame(self.sock))
+        except (OSError, ConnectionError) as exc:
+            self.close()
+            raise SchedulerUnavailable(f"lost the scheduler at {self.address[0]}:{self.address[1]}: {exc}") from None
+        return reply
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError as exc:
+            log.debug("closing scheduler socket: %s", exc)
+
+
+def connect(address: Address, deadline: float, what: str = "the scheduler") -> Connection:
+    """Connect, retrying with backoff until the deadline (the scheduler may start last)."""
+    delay = BACKOFF_START_S
+    while True:
+        try:
+            return Connection(address, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+        except SchedulerUnavailable as exc:
+            if time.monotonic() + delay > deadline:
+                raise SchedulerUnavailable(
+                    f"{exc}; gave up waiting for {what}. Is it running, and do TG_SCHED_HOST/TG_SCHED_PORT "
+                    "point at it? (TG_CONNECT_TIMEOUT sets how long to wait)") from None
+            time.sleep(delay)
+            delay = min(BACKOFF_MAX_S, delay * 2)
+
+
+def raise_for(reply, what: str):
+    if isinstance(reply, p.Error):
+        if reply.code is p.ErrorCode.FENCED:
+            raise FencedError(f"{what}: {reply.message}")
+        if reply.code is p.ErrorCode.TIMEOUT:
+            raise RendezvousTimeout(f"{what}: {reply.message}")
+        if reply.code is p.ErrorCode.JOB_OVER:
+            raise ClusterFailed(f"{what}: {reply.message}")
+        if reply.code is p.ErrorCode.BAD_MESSAGE:
+            raise ProtocolError(f"{what}: {reply.message}")
+        raise RegistrationRejected(f"{what}: {reply.message}", code=reply.code.value, retry=reply.retry)
+    return reply
+
+
+@dataclass(slots=True)
+class Identity:
+    node_id: str
+    incarnation: int
+    rank: int
+
+
+class SchedulerClient:
+    """The request connection of one worker. Thread-safe (one request at a time)."""
+
+    def __init__(self, address: Address, *, connect_timeout: float):
+        self.address = address
+        self.connect_timeout = connect_timeout
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()
+        self.identity: Identity | None = None
+
+    def _call(self, msg, timeout: float | None = None, *, retry: bool = True):
+        """Send, reconnecting (and retrying idempotent requests) while the scheduler is away."""
+        deadline = time.monotonic() + self.connect_timeout
+        with self._lock:
+            while True:
+                if self._conn is None:
+                    self._conn = connect(self.address, deadline)
+                try:
+                    return self._conn.request(msg, timeout)
+                except SchedulerUnavailable:
+                    self._conn = None
+                    if not retry or time.monotonic() > deadline:
+                        raise
+                    log.warning("scheduler connection lost; reconnecting")
+
+    def register(self, *, node_id: str | None, host: str, pid: int, worker_num: int) -> p.Registered:
+        deadline = time.monotonic() + self.connect_timeout
+        delay = 0.1
+        while True:
+            reply = self._call(p.Register(node_id=node_id, host=host, pid=pid, worker_num=worker_num))
+            if isinstance(reply, p.Error) and reply.retry and time.monotonic() + delay < deadline:
+                log.warning("registration refused for now, retrying: %s", reply.message)
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+                continue
+            reply = raise_for(reply, "registration refused")
+            self.identity = Identity(reply.node_id, reply.incarnation, reply.rank)
+            return reply
+
+    def _ident(self) -> Identity:
+        assert self.identity is not None, "register first"
+        return self.identity
+
+    def join(self, after: int, timeout: float) -> p.Formed:
+        me = self._ident()
+        reply = self._call(p.Join(node_id=me.node_id, incarnation=me.incarnation, after=after, timeout=timeout),
+                           timeout + 5.0)
+        return raise_for(reply, "joining the cluster failed")
+
+    def agree(self, generation: int, purpose: str, payload: dict, timeout: float) -> dict:
+        me = self._ident()
+        msg = p.Agree(node_id=me.node_id, incarnation=me.incarnation, generation=generation, purpose=purpose,
+                      payload=payload, timeout=timeout)
+        return raise_for(self._call(msg, timeout + 5.0), f"agreeing on {purpose}").decision
+
+    def report_failure(self, generation: int, kind: p.FailureKind, detail: str) -> None:
+        me = self._ident()
+        msg = p.ReportFailure(node_id=me.node_id, incarnation=me.incarnation, generation=generation, kind=kind,
+                              detail=detail[-8000:])
+        reply = self._call(msg, 10.0)
+        if isinstance(reply, p.Error) and reply.code is not p.ErrorCode.FENCED:
+            raise_for(reply, "reporting a failure")
+
+    def finish(self, ok: bool, detail: str = "") -> None:
+        me = self._ident()
+        self._call(p.Finish(node_id=me.node_id, incarnation=me.incarnation, ok=ok, detail=detail[-16000:]), 10.0)
+
+    def store(self, msg: p.StoreOp) -> p.StoreReply:
+        return raise_for(self._call(msg, msg.timeout + 5.0, retry=False), f"rendezvous store {msg.op}")
+
+    def status(self) -> dict:
+        return raise_for(self._call(p.Status(), 10.0), "status").state
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+class Heartbeater(threading.Thread):
+    """Sends heartbeats on its own connection and records what the scheduler says."""
+
+    def __init__(self, address: Address, identity: Identity, interval: float, *, step_fn=lambda: -1):
+        super().__init__(name="trainguard-heartbeat", daemon=True)
+        self.address, self.identity, self.interval = address, identity, interval
+        self.step_fn = step_fn
+        self.generation_seen = 0
+        self.formed = False
+        self.job_over = False
+        self.fenced = ""
+        self.connected = threading.Event()
+        self._stop = threading.Event()
+        self._conn: Connection | None = None
+
+    def run(self) -> None:
+        delay = BACKOFF_START_S
+        while not self._stop.is_set():
+            try:
+                if self._conn is None:
+                    self._conn = Connection(self.address, timeout=2.0)
+                me = self.identity
+                reply = self._conn.request(p.Heartbeat(node_id=me.node_id, incarnation=me.incarnation,
+                                                       generation=self.generation_seen, step=self.step_fn()), 10.0)
+                if isinstance(reply, p.Error):
+                    self.fenced = reply.message
+                    log.error("scheduler refused heartbeat: %s", reply.message)
+                    return
+                self.generation_seen = max(self.generation_seen, reply.generation)
+                self.formed, self.job_over = reply.formed, reply.job_over
+                self.connected.set()
+                delay = BACKOFF_START_S
+                self._stop.wait(self.interval)
+            except (SchedulerUnavailable, ProtocolError) as exc:
+                self._conn = None
+                self.connected.clear()
+                log.debug("heartbeat: %s; retrying in %.2f s", exc, delay)
+                self._stop.wait(delay)
+                delay = min(BACKOFF_MAX_S, delay * 2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._conn is not None:
+            self._conn.close()
+
+
+def report_exit(address: Address, node_id: str, pid: int, exit_code: int | None, signal: int | None,
+                detail: str, timeout: float = 5.0) -> bool:
+    """From an agent: tell the scheduler a worker process exited. Best effort."""
+    try:
+        conn = Connection(address, timeout=timeout)
+    except SchedulerUnavailable:
+        return False
+    try:
+        conn.request(p.ProcessExited(node_id=node_id, pid=pid, exit_code=exit_code, signal=signal,
+                                     detail=detail[-16000:]), timeout)
+        return True
+    except SchedulerUnavailable:
+        return False
+    finally:
+        conn.close()
+
+
+def query_status(address: Address, timeout: float = 5.0) -> dict:
+    conn = Connection(address, timeout=timeout)
+    try:
+        return raise_for(conn.request(p.Status(), timeout), "status").state
+    finally:
+        conn.close()

@@ -1,0 +1,14 @@
+"""Decisions the scheduler takes once every rank has reported (see Agree in protocol.py)."""
+
+from __future__ import annotations
+
+from ..recovery.plan import choose_restore
+
+
+def decide_agreement(purpose: str, reports: dict[int, dict]) -> dict:
+    if purpose == "restore":
+        return choose_restore(reports)
+    if purpose == "finish":
+        steps = {int(r.get("step", -1)) for r in reports.values()}
+        return {"ok": len(steps) == 1, "steps": sorted(steps)}
+    raise AssertionError(purpose)

@@ -1,0 +1,300 @@
+"""Membership: the scheduler's state and the pure decisions made on it.
+
+Nothing here touches a socket or a clock: callers pass `now`. Each decision returns what
+to do and why; the scheduler (scheduler.py) carries it out and persists the result.
+
+Node lifecycle (allowed transitions):
+
+    (unknown id) --register--> ALIVE
+    ALIVE   --failure-->  DEAD        (exit, closed connection, heartbeat timeout, collective report)
+    ALIVE   --finish-->   FINISHED
+    DEAD    --register--> ALIVE       (same node id, same rank, incarnation + 1)
+    UNKNOWN --reattach--> ALIVE       (after a scheduler restart, same incarnation)
+    UNKNOWN --timeout-->  DEAD
+
+Rank rule: ranks are fixed when the cluster first forms. A node id that is an integer k with
+0 <= k < N gets rank k; the other ids, in natural sort order, take the remaining ranks in
+ascending order. A node id keeps its rank for the whole job. A new node id that arrives while
+the cluster is full but one member is dead takes the rank of the lowest dead member.
+
+Generations: a generation forms when all N members are alive and have joined it. When a
+member of a formed generation dies, or a survivor reports a failed collective, the
+generation number goes up and everyone must join the new one.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+from .protocol import ErrorCode, FailureKind
+
+FLAP_WINDOW_S = 60.0
+
+
+class NodeState(enum.Enum):
+    ALIVE = "alive"
+    DEAD = "dead"
+    FINISHED = "finished"
+    UNKNOWN = "unknown"  # loaded from disk by a restarted scheduler, not yet heard from
+
+
+class JobState(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class Node:
+    node_id: str
+    rank: int  # -1 until the cluster first forms
+    host: str
+    pid: int
+    incarnation: int
+    state: NodeState
+    last_seen: float
+    admissions: list[float] = field(default_factory=list)  # times of re-admission (flapping)
+    quarantined_until: float = 0.0
+    failures: int = 0
+
+
+@dataclass(slots=True)
+class Cluster:
+    worker_num: int
+    generation: int = 1
+    formed: bool = False
+    nodes: dict[str, Node] = field(default_factory=dict)
+    joined: set[str] = field(default_factory=set)
+    job: JobState = JobState.RUNNING
+    root_cause: str = ""
+    next_generated_id: int = 0
+
+    def alive(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.state is NodeState.ALIVE]
+
+    def by_rank(self) -> dict[int, Node]:
+        return {n.rank: n for n in self.nodes.values() if n.rank >= 0}
+
+    def describe(self) -> str:
+        parts = [f"{n.node_id}(rank {n.rank}, {n.state.value})" for n in sorted(self.nodes.values(), key=_sort_key)]
+        return ", ".join(parts) or "none"
+
+
+# --- decisions ------------------------------------------------------------------
+
+
+class Action(enum.Enum):
+    ADMIT = "admit"  # a node id never seen before
+    READMIT = "readmit"  # a dead node id comes back (or a new id replaces a dead one)
+    REJECT = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterDecision:
+    action: Action
+    node_id: str = ""
+    rank: int = -1
+    replaces: str | None = None  # old node id whose dead slot a new id takes over
+    code: ErrorCode | None = None
+    retry: bool = False
+    reason: str = ""
+
+
+def _natural(node_id: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", node_id))
+
+
+def _sort_key(n: Node) -> tuple:
+    return (n.rank if n.rank >= 0 else 1 << 30, _natural(n.node_id))
+
+
+def generated_id(cluster: Cluster) -> str:
+    """A node id for a worker that did not set TG_NODE_ID."""
+    while True:
+        cluster.next_generated_id += 1
+        candidate = f"auto-{cluster.next_generated_id}"
+        if candidate not in cluster.nodes:
+            return candidate
+
+
+def decide_register(
+    cluster: Cluster, node_id: str, worker_num: int, now: float, *, recovery: bool, flap_limit: int,
+    quarantine_s: float,
+) -> RegisterDecision:
+    if cluster.job is not JobState.RUNNING:
+        return RegisterDecision(Action.REJECT, node_id, code=ErrorCode.JOB_OVER,
+                                reason=f"the job is {cluster.job.value}; start a new job instead")
+    if worker_num != cluster.worker_num:
+        return RegisterDecision(
+            Action.REJECT, node_id, code=ErrorCode.MISMATCH,
+            reason=(f"this worker says TG_WORKER_NUM={worker_num} but the job was started with "
+                    f"{cluster.worker_num}; use the same value on every process (or clear the recovery path to start a new job)"),
+        )
+    node = cluster.nodes.get(node_id)
+    if node is not None:
+        if node.state is NodeState.ALIVE:
+            return RegisterDecision(
+                Action.REJECT, node_id, code=ErrorCode.DUPLICATE, retry=True,
+                reason=(f"node id {node_id!r} is already registered and alive (incarnation {node.incarnation}, "
+                        f"pid {node.pid} on {node.host}); stop that process first or give this one another node id"),
+            )
+        if node.state is NodeState.UNKNOWN:
+            return RegisterDecision(
+                Action.REJECT, node_id, code=ErrorCode.DUPLICATE, retry=True,
+                reason=(f"node id {node_id!r} (incarnation {node.incarnation}, pid {node.pid}) has not yet "
+                        "reattached to the restarted scheduler; it is re-admitted once known dead"),
+            )
+        if node.state is NodeState.FINISHED:
+            return RegisterDecision(Action.REJECT, node_id, code=ErrorCode.JOB_OVER,
+                                    reason=f"node id {node_id!r} already finished its training")
+        if not recovery:
+            return RegisterDecision(Action.REJECT, node_id, code=ErrorCode.JOB_OVER,
+                                    reason=f"node id {node_id!r} died and recovery is off (set TG_ENABLE_RECOVERY=1)")
+        if node.quarantined_until > now:
+            return RegisterDecision(
+                Action.REJECT, node_id, code=ErrorCode.QUARANTINED, retry=True,
+                reason=(f"node id {node_id!r} failed {len(node.admissions)} times in {FLAP_WINDOW_S:.0f} s and is "
+                        f"quarantined for another {node.quarantined_until - now:.1f} s"),
+            )
+        return RegisterDecision(Action.READMIT, node_id, rank=node.rank)
+    # a node id we have not seen
+    if len(cluster.nodes) < cluster.worker_num:
+        return RegisterDecision(Action.ADMIT, node_id)
+    dead = sorted((n for n in cluster.nodes.values() if n.state is NodeState.DEAD), key=_sort_key)
+    if dead and recovery:
+        return RegisterDecision(Action.READMIT, node_id, rank=dead[0].rank, replaces=dead[0].node_id)
+    ids = ", ".join(sorted(cluster.nodes, key=_natural))
+    return RegisterDecision(
+        Action.REJECT, node_id, code=ErrorCode.FULL,
+        reason=(f"cluster full: {cluster.worker_num} of {cluster.worker_num} workers are registered ({ids}); "
+                "check TG_WORKER_NUM and TG_NODE_ID"),
+    )
+
+
+def apply_register(cluster: Cluster, d: RegisterDecision, host: str, pid: int, now: float, *,
+                   flap_limit: int, quarantine_s: float) -> Node:
+    if d.action is Action.ADMIT:
+        node = Node(d.node_id, -1, host, pid, 1, NodeState.ALIVE, now)
+        cluster.nodes[d.node_id] = node
+        return node
+    assert d.action is Action.READMIT
+    if d.replaces is not None:
+        old = cluster.nodes.pop(d.replaces)
+        node = Node(d.node_id, old.rank, host, pid, old.incarnation + 1, NodeState.ALIVE, now,
+                    admissions=old.admissions, failures=old.failures)
+        cluster.nodes[d.node_id] = node
+    else:
+        node = cluster.nodes[d.node_id]
+        node.host, node.pid, node.state, node.last_seen = host, pid, NodeState.ALIVE, now
+        node.incarnation += 1
+    node.admissions = [t for t in node.admissions if now - t < FLAP_WINDOW_S] + [now]
+    if len(node.admissions) >= flap_limit:
+        node.quarantined_until = now + quarantine_s
+        node.admissions = []
+    return node
+
+
+def assign_ranks(cluster: Cluster) -> None:
+    """Fix ranks for nodes that have none yet, by the documented rule."""
+    if all(n.rank >= 0 for n in cluster.nodes.values()):
+        return
+    n = cluster.worker_num
+    taken = {x.rank for x in cluster.nodes.values() if x.rank >= 0}
+    pending = [x for x in cluster.nodes.values() if x.rank < 0]
+    for node in pending:
+        if node.node_id.isdigit() and int(node.node_id) < n and int(node.node_id) not in taken:
+            node.rank = int(node.node_id)
+            taken.add(node.rank)
+    free = iter(r for r in range(n) if r not in taken)
+    for node in sorted((x for x in pending if x.rank < 0), key=lambda x: _natural(x.node_id)):
+        node.rank = next(free)
+
+
+@dataclass(frozen=True, slots=True)
+class FailureDecision:
+    mark_dead: bool
+    bump: bool
+    fail_job: bool
+    reason: str
+
+
+def decide_failure(cluster: Cluster, node_id: str, incarnation: int | None, kind: FailureKind,
+                   detail: str, *, recovery: bool) -> FailureDecision:
+    """A node (or, for COLLECTIVE, some peer of the reporter) failed. Stale reports are ignored."""
+    node = cluster.nodes.get(node_id)
+    if node is None or (incarnation is not None and incarnation != node.incarnation):
+        return FailureDecision(False, False, False, f"stale report about {node_id!r} ignored")
+    if kind is FailureKind.COLLECTIVE:
+        # the reporter is alive; somebody it talks to is not (or the network hiccupped)
+        return FailureDecision(False, cluster.formed, False,
+                               f"{node_id} reported a failed collective in generation {cluster.generation}: {detail}")
+    if node.state not in (NodeState.ALIVE, NodeState.UNKNOWN):
+        return FailureDecision(False, False, False, f"{node_id!r} is already {node.state.value}")
+    why = f"worker {node_id} (rank {node.rank}, pid {node.pid}) failed: {kind.value}" + (f": {detail}" if detail else "")
+    return FailureDecision(True, cluster.formed, not recovery, why)
+
+
+def apply_failure(cluster: Cluster, node_id: str, d: FailureDecision) -> None:
+    if d.mark_dead:
+        node = cluster.nodes[node_id]
+        node.state = NodeState.DEAD
+        node.failures += 1
+        cluster.joined.discard(node_id)
+    if d.bump:
+        bump_generation(cluster)
+    if d.fail_job and cluster.job is JobState.RUNNING:
+        cluster.job = JobState.FAILED
+        cluster.root_cause = d.reason
+
+
+def bump_generation(cluster: Cluster) -> None:
+    cluster.generation += 1
+    cluster.formed = False
+    cluster.joined.clear()
+
+
+def try_form(cluster: Cluster) -> bool:
+    """Form the pending generation if every one of the N members is alive and has joined."""
+    if cluster.formed:
+        return False
+    members = [n for n in cluster.nodes.values() if n.state is NodeState.ALIVE]
+    if len(members) != cluster.worker_num or any(n.node_id not in cluster.joined for n in members):
+        return False
+    assign_ranks(cluster)
+    cluster.formed = True
+    return True
+
+
+def missing_for_formation(cluster: Cluster) -> str:
+    have = {n.node_id for n in cluster.alive() if n.node_id in cluster.joined}
+    missing = [n for n in cluster.nodes.values() if n.node_id not in have]
+    absent = cluster.worker_num - len(cluster.nodes)
+    parts = [f"{n.node_id} ({n.state.value})" for n in sorted(missing, key=_sort_key)]
+    if absent > 0:
+        parts.append(f"{absent} never registered")
+    return ", ".join(parts) or "none"
+
+
+def local_rank_of(cluster: Cluster, node: Node) -> int:
+    same_host = sorted((n.rank for n in cluster.nodes.values() if n.host == node.host and n.rank >= 0))
+    return same_host.index(node.rank) if node.rank in same_host else 0
+
+
+def expired(cluster: Cluster, now: float, timeout: float) -> list[Node]:
+    """Alive or not-yet-reattached nodes that have been silent longer than the heartbeat timeout."""
+    return [n for n in cluster.nodes.values()
+            if n.state in (NodeState.ALIVE, NodeState.UNKNOWN) and now - n.last_seen > timeout]
+
+
+def apply_finish(cluster: Cluster, node_id: str) -> None:
+    """A worker finished its training cleanly; the job is done when all N have."""
+    node = cluster.nodes.get(node_id)
+    if node is None or node.state is not NodeState.ALIVE:
+        return
+    node.state = NodeState.FINISHED
+    cluster.joined.discard(node_id)
+    done = [n for n in cluster.nodes.values() if n.state is NodeState.FINISHED]
+    if len(done) == cluster.worker_num and cluster.job is JobState.RUNNING:
+        cluster.job = JobState.DONE

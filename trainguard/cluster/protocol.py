@@ -1,0 +1,292 @@
+"""Frames and messages between workers, agents and the scheduler.
+
+A frame is  b"TG" | version (1 byte) | payload length (4 bytes, big-endian) | msgpack payload.
+The payload is a map with a "type" key; pydantic validates every message on both sides.
+Anything else (random bytes, a wrong version, an oversized length) is a ProtocolError
+that closes that one connection and nothing more.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from typing import Annotated, Literal, Union
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from ..config import MAX_FRAME_BYTES
+from ..errors import ProtocolError
+
+MAGIC = b"TG"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct(">2sBI")
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+NodeId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+Key = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_MESSAGE = "bad_message"
+    DUPLICATE = "duplicate"  # node id whose incarnation is still alive
+    FULL = "full"  # more workers than TG_WORKER_NUM
+    MISMATCH = "mismatch"  # job facts differ (worker count)
+    QUARANTINED = "quarantined"  # node id keeps flapping
+    FENCED = "fenced"  # stale generation or incarnation
+    TIMEOUT = "timeout"
+    JOB_OVER = "job_over"  # the job has finished or failed
+    UNKNOWN_NODE = "unknown_node"
+
+
+class FailureKind(str, enum.Enum):
+    EXITED = "exited"  # the agent saw the process exit
+    CONNECTION = "connection"  # its control connection closed without a goodbye
+    HEARTBEAT = "heartbeat"  # no heartbeat within the timeout (hang, SIGSTOP)
+    COLLECTIVE = "collective"  # a survivor's collective failed
+    EXCEPTION = "exception"  # the worker raised and gave up
+
+
+# --- requests -------------------------------------------------------------------
+
+
+class Register(_Msg):
+    type: Literal["register"] = "register"
+    node_id: NodeId | None = None
+    host: str = Field(max_length=255)
+    pid: int = Field(ge=0)
+    worker_num: int = Field(ge=1)
+
+
+class Reattach(_Msg):
+    type: Literal["reattach"] = "reattach"
+    node_id: NodeId
+    incarnation: int = Field(ge=1)
+    host: str = Field(max_length=255)
+    pid: int = Field(ge=0)
+    worker_num: int = Field(ge=1)
+
+
+class Heartbeat(_Msg):
+    type: Literal["heartbeat"] = "heartbeat"
+    node_id: NodeId
+    incarnation: int = Field(ge=1)
+    generation: int = Field(ge=0)
+    step: int = Field(ge=-1)
+
+
+class Join(_Msg):
+    """Ask to be part of the next formed generation newer than `after`; answered once all have joined."""
+
+    type: Literal["join"] = "join"
+    node_id: NodeId
+    incarnation: int = Field(ge=1)
+    after: int = Field(ge=0)
+    timeout: float = Field(gt=0)
+
+
+class ReportFailure(_Msg):
+    type: Literal["report_failure"] = "report_failure"
+    node_id: NodeId
+    incarnation: int = Field(ge=1)
+    generation: int = Field(ge=0)
+    kind: FailureKind
+    detail: str = Field(default="", max_length=8192)
+
+
+class Agree(_Msg):
+    """A barrier that also gathers one small document per rank; the scheduler returns its decision."""
+
+    type: Literal["agree"] = "agree"
+    node_id: NodeId
+    incarnation: int = Field(ge=1)
+    generation: int = Field(ge=1)
+    purpose: Literal["restore", "finish"]
+    payload: dict = Field(default_factory=dict)
+    timeout: float = Field(gt=0)
+
+
+class Finish(_Msg):
+    type: Literal["finish"] = "finish"
+    node_id: NodeId
+    incarnation: int = Field(ge=1)
+    ok: bool
+    detail: str = Field(default="", max_length=16384)
+
+
+class ProcessExited(_Msg):
+    """From the launcher's agent: a worker process it watches has exited."""
+
+    type: Literal["process_exited"] = "process_exited"
+    node_id: NodeId
+    pid: int = Field(ge=0)
+    exit_code: int | None = None
+    signal: int | None = None
+    detail: str = Field(default="", max_length=16384)
+
+
+class Status(_Msg):
+    type: Literal["status"] = "status"
+
+
+class StoreOp(_Msg):
+    """torch.distributed Store operations, fenced by generation."""
+
+    type: Literal["store"] = "store"
+    generation: int = Field(ge=1)
+    op: Literal["set", "get", "add", "check", "wait", "delete", "compare_set", "num_keys"]
+    keys: list[Key] = Field(default_factory=list, max_length=4096)
+    value: bytes = b""
+    expected: bytes = b""
+    amount: int = 0
+    timeout: float = Field(default=60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_key(self):
+        if self.op not in ("check", "wait", "num_keys") and len(self.keys) != 1:
+            raise ValueError(f"store op {self.op!r} takes exactly one key")
+        return self
+
+
+Request = Annotated[
+    Union[Register, Reattach, Heartbeat, Join, ReportFailure, Agree, Finish, ProcessExited, Status, StoreOp],
+    Field(discriminator="type"),
+]
+
+# --- replies --------------------------------------------------------------------
+
+
+class Member(_Msg):
+    node_id: str
+    rank: int
+    host: str
+    pid: int
+    incarnation: int
+
+
+class Registered(_Msg):
+    type: Literal["registered"] = "registered"
+    node_id: str
+    rank: int
+    incarnation: int
+    generation: int
+    worker_num: int
+
+
+class HeartbeatAck(_Msg):
+    type: Literal["heartbeat_ack"] = "heartbeat_ack"
+    generation: int
+    formed: bool
+    job_over: bool = False
+
+
+class Formed(_Msg):
+    type: Literal["formed"] = "formed"
+    generation: int
+    rank: int
+    world_size: int
+    local_rank: int
+    members: list[Member]
+
+
+class Agreed(_Msg):
+    type: Literal["agreed"] = "agreed"
+    decision: dict
+
+
+class StoreReply(_Msg):
+    type: Literal["store_reply"] = "store_reply"
+    value: bytes = b""
+    number: int = 0
+    flag: bool = False
+
+
+class StatusReply(_Msg):
+    type: Literal["status_reply"] = "status_reply"
+    state: dict
+
+
+class Ok(_Msg):
+    type: Literal["ok"] = "ok"
+
+
+class Error(_Msg):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+    retry: bool = False
+
+
+Reply = Annotated[
+    Union[Registered, HeartbeatAck, Formed, Agreed, StoreReply, StatusReply, Ok, Error],
+    Field(discriminator="type"),
+]
+
+_requests: TypeAdapter = TypeAdapter(Request)
+_replies: TypeAdapter = TypeAdapter(Reply)
+
+
+# --- codec ----------------------------------------------------------------------
+
+
+def encode(msg: _Msg) -> bytes:
+    payload = msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"message of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, len(payload)) + payload
+
+
+def parse_header(header: bytes) -> int:
+    """Length of the payload that follows, or ProtocolError."""
+    magic, version, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {magic!r}: this port speaks the trainguard protocol only")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION}); "
+            "run the same trainguard version on every process"
+        )
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return length
+
+
+def _decode(payload: bytes, adapter: TypeAdapter):
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"payload is not valid msgpack: {exc}") from None
+    try:
+        return adapter.validate_python(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise ProtocolError(f"invalid message ({where}: {first.get('msg')})") from None
+
+
+def decode_request(payload: bytes):
+    return _decode(payload, _requests)
+
+
+def decode_reply(payload: bytes):
+    return _decode(payload, _replies)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed by the scheduler")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    length = parse_header(recv_exact(sock, HEADER.size))
+    return recv_exact(sock, length)

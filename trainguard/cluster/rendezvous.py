@@ -1,0 +1,62 @@
+"""torch.distributed's rendezvous served by the scheduler.
+
+`SchedulerStore` is a torch Store whose data lives in the scheduler, in the namespace of one
+generation. A process from an older generation is refused, so a stale worker can never
+join a newer group. Each generation also gets its own key prefix.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from . import protocol as p
+from .client import SchedulerClient
+
+
+def _b(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class SchedulerStore(dist.Store):
+    def __init__(self, client: SchedulerClient, generation: int, timeout: timedelta):
+        super().__init__()
+        self._client = client
+        self._generation = generation
+        self._timeout = timeout.total_seconds()
+
+    def _op(self, op: str, keys: list[str], **kw) -> p.StoreReply:
+        msg = p.StoreOp(generation=self._generation, op=op, keys=keys, timeout=self._timeout, **kw)
+        return self._client.store(msg)
+
+    def set(self, key, value):
+        self._op("set", [key], value=_b(value))
+
+    def get(self, key):
+        return self._op("get", [key]).value
+
+    def add(self, key, amount):
+        return self._op("add", [key], amount=int(amount)).number
+
+    def check(self, keys):
+        return self._op("check", list(keys)).flag
+
+    def wait(self, keys, timeout=None):
+        self._op("wait", list(keys))
+
+    def compare_set(self, key, expected, desired):
+        return self._op("compare_set", [key], expected=_b(expected), value=_b(desired)).value
+
+    def delete_key(self, key):
+        return self._op("delete", [key]).flag
+
+    def num_keys(self):
+        return self._op("num_keys", []).number
+
+    def set_timeout(self, timeout):
+        self._timeout = timeout.total_seconds()
+
+
+def generation_prefix(generation: int) -> str:
+    return f"trainguard/g{generation}"

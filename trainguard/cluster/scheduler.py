@@ -1,0 +1,409 @@
+"""The scheduler: an asyncio server that holds membership, fences stale actors and serves rendezvous.
+
+It carries out the pure decisions of membership.py, persists every membership change to
+cluster.db when recovery is on, and answers blocking requests (join, agree, store waits)
+by waiting on one condition that is notified on every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..config import ClusterConfig, check_recovery_path, this_host
+from ..errors import ClusterStateError, ConfigError, ProtocolError
+from ..obs.events import EventLog
+from . import membership as m
+from . import protocol as p
+from .db import ClusterDB
+from .kvstore import KVStore
+from .decisions import decide_agreement
+
+log = logging.getLogger("trainguard.scheduler")
+
+
+class Scheduler:
+    def __init__(self, cfg: ClusterConfig):
+        self.cfg = cfg
+        self.db: ClusterDB | None = None
+        self.events = EventLog.null()
+        cluster = None
+        if cfg.enable_recovery:
+            assert cfg.recovery_path is not None
+            path = check_recovery_path(cfg.recovery_path)
+            self.db = ClusterDB(path)
+            cluster = self.db.load()
+            if cluster is not None and cluster.job is not m.JobState.RUNNING:
+                log.info("previous job in %s ended (%s); starting a new job", path, cluster.job.value)
+                self.db.archive()
+                cluster = None
+            if cluster is not None and cluster.worker_num != cfg.worker_num:
+                raise ClusterStateError(
+                    f"{self.db.path} belongs to a job of {cluster.worker_num} workers but TG_WORKER_NUM="
+                    f"{cfg.worker_num}; restart with {cluster.worker_num}, or move the file aside to start a new job")
+            self.events = EventLog(path / "events.jsonl")
+        self.resumed = cluster is not None
+        self.cluster = cluster or m.Cluster(worker_num=cfg.worker_num)
+        self.kv = KVStore()
+        self._agreements: dict[tuple[int, str], dict[int, dict]] = {}
+        self._decisions: dict[tuple[int, str], dict] = {}
+        self._liveness: dict[int, tuple[str, int]] = {}  # id(writer) -> (node_id, incarnation)
+        self._changed: asyncio.Condition | None = None
+        self._done: asyncio.Event | None = None
+        self.port: int | None = None
+        self.ready = threading.Event()
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    async def serve(self) -> int:
+        self._changed = asyncio.Condition()
+        self._done = asyncio.Event()
+        try:
+            server = await asyncio.start_server(self._handle, self.cfg.sched_host, self.cfg.sched_port)
+        except OSError as exc:
+            raise ConfigError(
+                f"scheduler cannot listen on {self.cfg.sched_host}:{self.cfg.sched_port} ({exc.strerror or exc}); "
+                "if the port is in use (another job or a stale scheduler), free it or set TG_SCHED_PORT "
+                "(MS_SCHED_PORT) to another port"
+            ) from None
+        self.port = server.sockets[0].getsockname()[1]
+        verb = "resumed" if self.resumed else "started"
+        log.info("scheduler %s on %s:%d for %d workers (generation %d)", verb, self.cfg.sched_host, self.port,
+                 self.cluster.worker_num, self.cluster.generation)
+        self.events.emit("scheduler_started", port=self.port, resumed=self.resumed,
+                          generation=self.cluster.generation, pid=os.getpid())
+        self.ready.set()
+        monitor = asyncio.create_task(self._monitor())
+        async with server:
+            await self._done.wait()
+            await asyncio.sleep(0.2)  # let the last replies flush
+        monitor.cancel()
+        ok = self.cluster.job is m.JobState.DONE
+        self.events.emit("job_end", state=self.cluster.job.value, root_cause=self.cluster.root_cause)
+        if not ok:
+            print(f"trainguard: job failed: {self.cluster.root_cause}", file=sys.stderr, flush=True)
+        else:
+            log.info("all %d workers finished; scheduler exits", self.cluster.worker_num)
+        if self.db:
+            self.db.close()
+        return 0 if ok else 1
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _wait(self, predicate, deadline: float) -> bool:
+        async with self._changed:
+            while not predicate():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except asyncio.TimeoutError:
+                    return predicate()
+            return True
+
+    def _persist(self) -> None:
+        if self.db:
+            self.db.save(self.cluster)
+        if self.cluster.job is not m.JobState.RUNNING:
+            self._done.set()
+
+    async def _monitor(self) -> None:
+        period = min(0.1, self.cfg.heartbeat_interval / 2)
+        while True:
+            await asyncio.sleep(period)
+            for node in m.expired(self.cluster, time.monotonic(), self.cfg.heartbeat_timeout):
+                detail = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
+                await self._fail(node.node_id, node.incarnation, p.FailureKind.HEARTBEAT, detail)
+                self._kill_if_local(node)
+
+    def _kill_if_local(self, node: m.Node) -> None:
+        """A hung (e.g. SIGSTOPped) worker on this host is killed so its peers' collectives fail fast."""
+        if node.host != this_host() or node.pid <= 0 or node.pid == os.getpid():
+            return
+        try:
+            os.kill(node.pid, signal.SIGKILL)
+            log.warning("killed hung worker %s (pid %d)", node.node_id, node.pid)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            log.error("cannot kill hung worker %s (pid %d): %s", node.node_id, node.pid, exc)
+
+    # --- connections ------------------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(p.HEADER.size)
+                except asyncio.IncompleteReadError:
+                    return
+                length = p.parse_header(header)
+                req = p.decode_request(await reader.readexactly(length))
+                reply = await self._dispatch(req, writer)
+                writer.write(p.encode(reply))
+                await writer.drain()
+        except ProtocolError as exc:
+            log.warning("dropped connection from %s: %s", peer, exc)
+            try:
+                writer.write(p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=str(exc))))
+                await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+            log.debug("connection from %s lost: %s", peer, exc)
+        finally:
+            bound = self._liveness.pop(id(writer), None)
+            writer.close()
+            if bound is not None:
+                node = self.cluster.nodes.get(bound[0])
+                if node is not None and node.incarnation == bound[1] and node.state is m.NodeState.ALIVE:
+                    await self._fail(bound[0], bound[1], p.FailureKind.CONNECTION, "control connection closed")
+
+    async def _dispatch(self, req, writer):
+        handler = getattr(self, f"_on_{req.type}")
+        if req.type == "heartbeat":
+            return await handler(req, writer)
+        return await handler(req)
+
+    def _current(self, node_id: str, incarnation: int) -> m.Node | p.Error:
+        node = self.cluster.nodes.get(node_id)
+        if node is None:
+            return p.Error(code=p.ErrorCode.UNKNOWN_NODE, message=f"node {node_id!r} is not registered; register first")
+        if node.incarnation != incarnation or node.state not in (m.NodeState.ALIVE, m.NodeState.UNKNOWN):
+            return p.Error(code=p.ErrorCode.FENCED, message=(
+                f"node {node_id!r} incarnation {incarnation} is stale (current {node.incarnation}, "
+                f"{node.state.value}); register again"))
+        if node.state is m.NodeState.UNKNOWN:  # a restarted scheduler hears from a live member
+            node.state = m.NodeState.ALIVE
+        node.last_seen = time.monotonic()
+        return node
+
+    def _job_over(self) -> p.Error | None:
+        if self.cluster.job is m.JobState.RUNNING:
+            return None
+        why = self.cluster.root_cause or "all workers finished"
+        return p.Error(code=p.ErrorCode.JOB_OVER, message=f"the job is {self.cluster.job.value}: {why}")
+
+    # --- membership requests ---------------------------------------------------------
+
+    async def _on_register(self, req: p.Register):
+        c = self.cluster
+        node_id = req.node_id or m.generated_id(c)
+        now = time.monotonic()
+        d = m.decide_register(c, node_id, req.worker_num, now, recovery=self.cfg.enable_recovery,
+                              flap_limit=self.cfg.flap_limit, quarantine_s=self.cfg.quarantine_s)
+        if d.action is m.Action.REJECT:
+            log.warning("rejected registration of %s (pid %d on %s): %s", node_id, req.pid, req.host, d.reason)
+            self.events.emit("register_rejected", node=node_id, code=d.code.value, reason=d.reason)
+            return p.Error(code=d.code, message=d.reason, retry=d.retry)
+        node = m.apply_register(c, d, req.host, req.pid, now, flap_limit=self.cfg.flap_limit,
+                                quarantine_s=self.cfg.quarantine_s)
+        self._persist()
+        log.info("registered %s as incarnation %d (pid %d on %s)%s", node.node_id, node.incarnation, req.pid,
+                 req.host, f", replacing {d.replaces}" if d.replaces else "")
+        self.events.emit("registered", node=node.node_id, rank=node.rank, incarnation=node.incarnation,
+                          pid=req.pid, generation=c.generation)
+        await self._notify()
+        return p.Registered(node_id=node.node_id, rank=node.rank, incarnation=node.incarnation,
+                            generation=c.generation, worker_num=c.worker_num)
+
+    async def _on_reattach(self, req: p.Reattach):
+        node = self._current(req.node_id, req.incarnation)
+        if isinstance(node, p.Error):
+            return node
+        node.state, node.last_seen, node.pid = m.NodeState.ALIVE, time.monotonic(), req.pid
+        log.info("%s reattached (incarnation %d)", node.node_id, node.incarnation)
+        self.events.emit("reattached", node=node.node_id, generation=self.cluster.generation)
+        await self._notify()
+        return p.Registered(node_id=node.node_id, rank=node.rank, incarnation=node.incarnation,
+                            generation=self.cluster.generation, worker_num=self.cluster.worker_num)
+
+    async def _on_heartbeat(self, req: p.Heartbeat, writer):
+        node = self._current(req.node_id, req.incarnation)
+        if isinstance(node, p.Error):
+            return node
+        if node.state is m.NodeState.UNKNOWN:
+            node.state = m.NodeState.ALIVE
+            log.info("%s reattached by heartbeat", node.node_id)
+            await self._notify()
+        node.last_seen = time.monotonic()
+        self._liveness[id(writer)] = (node.node_id, node.incarnation)
+        c = self.cluster
+        return p.HeartbeatAck(generation=c.generation, formed=c.formed, job_over=c.job is not m.JobState.RUNNING)
+
+    async def _fail(self, node_id: str, incarnation: int | None, kind: p.FailureKind, detail: str) -> None:
+        c = self.cluster
+        node = c.nodes.get(node_id)
+        d = m.decide_failure(c, node_id, incarnation, kind, detail, recovery=self.cfg.enable_recovery)
+        if not (d.mark_dead or d.bump or d.fail_job):
+            return
+        before = c.generation
+        m.apply_failure(c, node_id, d)
+        self._persist()
+        log.warning("%s", d.reason)
+        self.events.emit("failure_detected", node=node_id, rank=node.rank if node else -1, kind=kind.value,
+                          detail=detail[-500:], generation=before, next_generation=c.generation)
+        await self._notify()
+
+    async def _on_report_failure(self, req: p.ReportFailure):
+        node = self._current(req.node_id, req.incarnation)
+        if isinstance(node, p.Error):
+            return node
+        if req.kind is p.FailureKind.COLLECTIVE and req.generation != self.cluster.generation:
+            return p.Ok()  # that generation is already over
+        await self._fail(req.node_id, req.incarnation, req.kind, req.detail)
+        return p.Ok()
+
+    async def _on_process_exited(self, req: p.ProcessExited):
+        node = self.cluster.nodes.get(req.node_id)
+        if node is None or node.pid != req.pid:
+            return p.Ok()  # an old incarnation, already replaced
+        how = f"killed by signal {req.signal}" if req.signal else f"exited with code {req.exit_code}"
+        detail = how + (f"\n{req.detail}" if req.detail else "")
+        await self._fail(req.node_id, node.incarnation, p.FailureKind.EXITED, detail)
+        return p.Ok()
+
+    async def _on_finish(self, req: p.Finish):
+        node = self._current(req.node_id, req.incarnation)
+        if isinstance(node, p.Error):
+            return p.Ok() if node.code is p.ErrorCode.FENCED else node
+        if not req.ok:
+            await self._fail(req.node_id, req.incarnation, p.FailureKind.EXCEPTION, req.detail)
+            return p.Ok()
+        m.apply_finish(self.cluster, req.node_id)
+        self._persist()
+        self.events.emit("finished", node=req.node_id, rank=node.rank)
+        await self._notify()
+        return p.Ok()
+
+    async def _on_status(self, req: p.Status):
+        c = self.cluster
+        nodes = [dict(node_id=n.node_id, rank=n.rank, host=n.host, pid=n.pid, incarnation=n.incarnation,
+                      state=n.state.value, failures=n.failures) for n in c.nodes.values()]
+        return p.StatusReply(state=dict(generation=c.generation, formed=c.formed, job=c.job.value,
+                                        worker_num=c.worker_num, root_cause=c.root_cause, nodes=nodes,
+                                        scheduler_pid=os.getpid()))
+
+    # --- rendezvous ---------------------------------------------------------------------
+
+    async def _on_join(self, req: p.Join):
+        c = self.cluster
+        deadline = time.monotonic() + req.timeout
+        while True:
+            over = self._job_over()
+            if over:
+                return over
+            node = self._current(req.node_id, req.incarnation)
+            if isinstance(node, p.Error):
+                return node
+            if c.formed and c.generation > req.after:
+                return self._formed_reply(node)
+            if c.formed and c.generation == req.after:
+                m.bump_generation(c)  # this member has left the formed generation
+                self._persist()
+                self.events.emit("generation_bumped", generation=c.generation, by=node.node_id)
+            c.joined.add(node.node_id)
+            if m.try_form(c):
+                self._persist()
+                self.kv.keep_only(c.generation)
+                log.info("generation %d formed with %d workers", c.generation, c.worker_num)
+                self.events.emit("generation_formed", generation=c.generation, world_size=c.worker_num)
+                await self._notify()
+                continue
+            gen = c.generation
+            changed = await self._wait(lambda: c.formed or c.generation != gen or self._job_over() is not None
+                                       or node.node_id not in c.joined, deadline)
+            if not changed:
+                return p.Error(code=p.ErrorCode.TIMEOUT, message=(
+                    f"waited {req.timeout:g} s for generation {c.generation} to form; "
+                    f"missing: {m.missing_for_formation(c)}"), retry=True)
+
+    def _formed_reply(self, node: m.Node) -> p.Formed:
+        c = self.cluster
+        members = [p.Member(node_id=n.node_id, rank=n.rank, host=n.host, pid=n.pid, incarnation=n.incarnation)
+                   for n in sorted(c.alive(), key=lambda n: n.rank)]
+        return p.Formed(generation=c.generation, rank=node.rank, world_size=c.worker_num,
+                        local_rank=m.local_rank_of(c, node), members=members)
+
+    async def _on_agree(self, req: p.Agree):
+        c = self.cluster
+        node = self._current(req.node_id, req.incarnation)
+        if isinstance(node, p.Error):
+            return node
+        key = (req.generation, req.purpose)
+        fenced = p.Error(code=p.ErrorCode.FENCED, retry=True, message=(
+            f"generation {req.generation} is over (now {c.generation}); rejoin"))
+        if req.generation != c.generation or not c.formed:
+            return fenced
+        got = self._agreements.setdefault(key, {})
+        got[node.rank] = req.payload
+        if len(got) == c.worker_num and key not in self._decisions:
+            decision = decide_agreement(req.purpose, got)
+            self._decisions[key] = decision
+            self.events.emit(f"agreed_{req.purpose}", generation=req.generation, **{
+                k: v for k, v in decision.items() if k in ("step", "from_step", "error", "sources")})
+            await self._notify()
+        ok = await self._wait(lambda: key in self._decisions or c.generation != req.generation
+                              or self._job_over() is not None, time.monotonic() + req.timeout)
+        if key in self._decisions:
+            return p.Agreed(decision=self._decisions[key])
+        if not ok:
+            have = sorted(got)
+            return p.Error(code=p.ErrorCode.TIMEOUT, retry=True, message=(
+                f"waited {req.timeout:g} s to agree on {req.purpose}; ranks reported: {have}"))
+        return self._job_over() or fenced
+
+    async def _on_store(self, req: p.StoreOp):
+        c = self.cluster
+        if req.generation != c.generation:
+            return p.Error(code=p.ErrorCode.FENCED, retry=True, message=(
+                f"store access for generation {req.generation} refused (now {c.generation})"))
+        if req.op in ("get", "wait"):
+            keys = req.keys
+            ok = await self._wait(lambda: self.kv.has(req.generation, keys) or c.generation != req.generation,
+                                  time.monotonic() + req.timeout)
+            if c.generation != req.generation:
+                return p.Error(code=p.ErrorCode.FENCED, retry=True, message="generation changed during a store wait")
+            if not ok:
+                return p.Error(code=p.ErrorCode.TIMEOUT, message=f"store keys not set within {req.timeout:g} s: {keys}")
+        reply = self.kv.apply(req)
+        if req.op in ("set", "add", "compare_set", "delete"):
+            await self._notify()
+        return reply
+
+
+def run_scheduler(cfg: ClusterConfig) -> int:
+    """Run the scheduler in this process until the job ends; the exit code says how it ended."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+                        stream=sys.stderr)
+    return asyncio.run(Scheduler(cfg).serve())
+
+
+def start_in_thread(cfg: ClusterConfig) -> tuple[Scheduler, threading.Thread]:
+    """Host the scheduler inside a worker process (torchrun/mpirun rank 0); returns once it listens."""
+    sched = Scheduler(cfg)
+    errors: list[BaseException] = []
+
+    def main() -> None:
+        try:
+            asyncio.run(sched.serve())
+        except BaseException as exc:  # reported to the starting thread below
+            errors.append(exc)
+            sched.ready.set()
+
+    thread = threading.Thread(target=main, name="trainguard-scheduler", daemon=True)
+    thread.start()
+    sched.ready.wait()
+    if errors:
+        raise errors[0]
+    return sched, thread

@@ -1,0 +1,276 @@
+"""Environment → typed, validated configuration.
+
+Every variable name is declared once, below. Each TG_* name has a MindSpore alias (MS_*);
+torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and OpenMPI's OMPI_COMM_WORLD_* are
+recognised too. A bad value raises ConfigError naming the variable and the expected form.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from .errors import ConfigError
+
+# --- names (declared once) ----------------------------------------------------
+ROLE_ENV = ("TG_ROLE", "MS_ROLE")
+SCHED_HOST_ENV = ("TG_SCHED_HOST", "MS_SCHED_HOST")
+SCHED_PORT_ENV = ("TG_SCHED_PORT", "MS_SCHED_PORT")
+WORKER_NUM_ENV = ("TG_WORKER_NUM", "MS_WORKER_NUM")
+NODE_ID_ENV = ("TG_NODE_ID", "MS_NODE_ID")
+ENABLE_RECOVERY_ENV = ("TG_ENABLE_RECOVERY", "MS_ENABLE_RECOVERY")
+RECOVERY_PATH_ENV = ("TG_RECOVERY_PATH", "MS_RECOVERY_PATH")
+HEARTBEAT_INTERVAL_ENV = "TG_HEARTBEAT_INTERVAL"
+HEARTBEAT_TIMEOUT_ENV = "TG_HEARTBEAT_TIMEOUT"
+CONNECT_TIMEOUT_ENV = "TG_CONNECT_TIMEOUT"
+JOIN_TIMEOUT_ENV = "TG_JOIN_TIMEOUT"
+COLLECTIVE_TIMEOUT_ENV = "TG_COLLECTIVE_TIMEOUT"
+BACKEND_ENV = "TG_BACKEND"
+LOCAL_RANK_ENV = "TG_LOCAL_RANK"
+FLAP_LIMIT_ENV = "TG_FLAP_LIMIT"
+QUARANTINE_ENV = "TG_QUARANTINE"
+# torchrun and OpenMPI
+TORCHRUN_RANK, TORCHRUN_WORLD = "RANK", "WORLD_SIZE"
+TORCHRUN_ADDR, TORCHRUN_PORT, TORCHRUN_LOCAL_RANK = "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"
+MPI_RANK, MPI_SIZE, MPI_LOCAL_RANK = (
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+)
+
+# --- defaults (in one place) --------------------------------------------------
+DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+DEFAULT_CONNECT_TIMEOUT_S = 300.0
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+DEFAULT_FLAP_LIMIT = 5  # restarts of one node id inside the window before quarantine
+DEFAULT_QUARANTINE_S = 30.0
+DEFAULT_MPI_PORT = 8118
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class Role(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+class LaunchMode(enum.Enum):
+    DYNAMIC = "dynamic"  # TG_ROLE / MS_ROLE: one scheduler process plus N workers
+    TORCHRUN = "torchrun"  # RANK/WORLD_SIZE: rank 0 hosts the scheduler in-process
+    MPI = "mpi"  # OMPI_COMM_WORLD_*: rank 0 hosts the scheduler in-process
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    role: Role
+    mode: LaunchMode
+    sched_host: str
+    sched_port: int  # 0 = let the OS pick (embedded scheduler under torchrun)
+    worker_num: int
+    node_id: str | None = None
+    enable_recovery: bool = False
+    recovery_path: Path | None = None
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT_S
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    backend: str = "auto"
+    local_rank: int | None = None
+    flap_limit: int = DEFAULT_FLAP_LIMIT
+    quarantine_s: float = DEFAULT_QUARANTINE_S
+    embedded_scheduler: bool = False  # this worker process also hosts the scheduler
+
+    def __post_init__(self) -> None:
+        if self.worker_num < 1:
+            raise ConfigError(f"worker count must be >= 1, got {self.worker_num}")
+        if not 0 <= self.sched_port <= 65535:
+            raise ConfigError(f"scheduler port must be in 0..65535, got {self.sched_port}")
+        if self.node_id is not None and not NODE_ID_RE.match(self.node_id):
+            raise ConfigError(
+                f"node id {self.node_id!r} is invalid: use 1-64 characters from A-Z a-z 0-9 _ . -"
+            )
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError(
+                f"{HEARTBEAT_TIMEOUT_ENV}={self.heartbeat_timeout} must exceed "
+                f"{HEARTBEAT_INTERVAL_ENV}={self.heartbeat_interval}"
+            )
+        if self.enable_recovery and self.recovery_path is None:
+            raise ConfigError(
+                f"{ENABLE_RECOVERY_ENV[0]}=1 needs {RECOVERY_PATH_ENV[0]} (or {RECOVERY_PATH_ENV[1]}): "
+                "a directory where the scheduler keeps cluster.db and the event log"
+            )
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"{BACKEND_ENV}={self.backend!r}: expected auto, gloo or nccl")
+
+    @property
+    def address(self) -> str:
+        return f"{self.sched_host}:{self.sched_port}"
+
+
+# --- readers --------------------------------------------------------------------
+
+
+def _pick(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    """Value of the first set name; two aliases set to different values is an error."""
+    found = [(n, env[n]) for n in names if env.get(n, "") != ""]
+    if len(found) > 1 and len({v for _, v in found}) > 1:
+        shown = ", ".join(f"{n}={v!r}" for n, v in found)
+        raise ConfigError(f"conflicting aliases: {shown}; set only one of them")
+    return found[0] if found else None
+
+
+def _int(name: str, raw: str, *, lo: int, hi: int | None = None) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < lo or (hi is not None and value > hi):
+        rng = f"an integer >= {lo}" if hi is None else f"an integer in {lo}..{hi}"
+        raise ConfigError(f"{name}={raw!r} is invalid: expected {rng}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{name}={raw!r} is invalid: expected a number of seconds > 0")
+    return value
+
+
+def _bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name}={raw!r} is invalid: expected 1/0 (or true/false)")
+
+
+def _required(env: Mapping[str, str], names: tuple[str, ...], what: str) -> tuple[str, str]:
+    got = _pick(env, names)
+    if got is None:
+        raise ConfigError(f"{names[0]} (or {names[1]}) is not set: it must give {what}")
+    return got
+
+
+def _role(name: str, raw: str) -> Role:
+    low = raw.strip().lower()
+    if low in ("scheduler", "ms_sched", "sched"):
+        return Role.SCHEDULER
+    if low in ("worker", "ms_worker"):
+        return Role.WORKER
+    raise ConfigError(
+        f"{name}={raw!r} is invalid: expected scheduler or worker (MindSpore: MS_SCHED or MS_WORKER)"
+    )
+
+
+def _common(env: Mapping[str, str]) -> dict:
+    got = _pick(env, ENABLE_RECOVERY_ENV)
+    enable = _bool(*got) if got else False
+    path = _pick(env, RECOVERY_PATH_ENV)
+    local = env.get(LOCAL_RANK_ENV, "")
+    flap = env.get(FLAP_LIMIT_ENV, "")
+    return dict(
+        enable_recovery=enable,
+        recovery_path=Path(path[1]).expanduser() if path else None,
+        heartbeat_interval=_float(env, HEARTBEAT_INTERVAL_ENV, DEFAULT_HEARTBEAT_INTERVAL_S),
+        heartbeat_timeout=_float(env, HEARTBEAT_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S),
+        connect_timeout=_float(env, CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S),
+        join_timeout=_float(env, JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S),
+        collective_timeout=_float(env, COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S),
+        backend=env.get(BACKEND_ENV, "auto").strip().lower() or "auto",
+        local_rank=_int(LOCAL_RANK_ENV, local, lo=0) if local else None,
+        flap_limit=_int(FLAP_LIMIT_ENV, flap, lo=1) if flap else DEFAULT_FLAP_LIMIT,
+        quarantine_s=_float(env, QUARANTINE_ENV, DEFAULT_QUARANTINE_S),
+    )
+
+
+def detect_mode(env: Mapping[str, str]) -> LaunchMode | None:
+    if _pick(env, ROLE_ENV):
+        return LaunchMode.DYNAMIC
+    if env.get(TORCHRUN_RANK) and env.get(TORCHRUN_WORLD):
+        return LaunchMode.TORCHRUN
+    if env.get(MPI_RANK) and env.get(MPI_SIZE):
+        return LaunchMode.MPI
+    return None
+
+
+def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig:
+    """Read and validate the whole configuration, or raise ConfigError naming the variable."""
+    env = os.environ if env is None else env
+    mode = detect_mode(env)
+    if mode is None:
+        raise ConfigError(
+            f"no cluster environment found: set {ROLE_ENV[0]} (scheduler|worker) with "
+            f"{SCHED_HOST_ENV[0]}, {SCHED_PORT_ENV[0]} and {WORKER_NUM_ENV[0]} "
+            "(MindSpore names MS_* work too), or start the script with `trainguard run`, "
+            "torchrun or mpirun"
+        )
+    common = _common(env)
+    if mode is LaunchMode.DYNAMIC:
+        role = _role(*_required(env, ROLE_ENV, "this process's role"))
+        host = _required(env, SCHED_HOST_ENV, "the scheduler's host or IP address")[1].strip()
+        port = _int(*_required(env, SCHED_PORT_ENV, "the scheduler's TCP port"), lo=1, hi=65535)
+        workers = _int(*_required(env, WORKER_NUM_ENV, "the number of worker processes"), lo=1)
+        node = _pick(env, NODE_ID_ENV)
+        return ClusterConfig(
+            role=role, mode=mode, sched_host=host, sched_port=port, worker_num=workers,
+            node_id=node[1].strip() if node else None, **common,
+        )
+    if mode is LaunchMode.TORCHRUN:
+        rank = _int(TORCHRUN_RANK, env[TORCHRUN_RANK], lo=0)
+        world = _int(TORCHRUN_WORLD, env[TORCHRUN_WORLD], lo=1)
+        local = env.get(TORCHRUN_LOCAL_RANK, "")
+        host = env.get(TORCHRUN_ADDR, "") or "127.0.0.1"
+        port_env = _pick(env, SCHED_PORT_ENV)
+        port = _int(*port_env, lo=1, hi=65535) if port_env else 0  # 0: published via torchrun's store
+    else:
+        rank = _int(MPI_RANK, env[MPI_RANK], lo=0)
+        world = _int(MPI_SIZE, env[MPI_SIZE], lo=1)
+        local = env.get(MPI_LOCAL_RANK, "")
+        host_env = _pick(env, SCHED_HOST_ENV)
+        host = host_env[1] if host_env else (env.get(TORCHRUN_ADDR, "") or "127.0.0.1")
+        port_env = _pick(env, SCHED_PORT_ENV)
+        port = _int(*port_env, lo=1, hi=65535) if port_env else DEFAULT_MPI_PORT
+    if rank >= world:
+        raise ConfigError(f"rank {rank} is not below the world size {world}")
+    if local and common["local_rank"] is None:
+        common["local_rank"] = _int("LOCAL_RANK", local, lo=0)
+    return ClusterConfig(
+        role=Role.WORKER, mode=mode, sched_host=host, sched_port=port, worker_num=world,
+        node_id=str(rank), embedded_scheduler=(rank == 0), **common,
+    )
+
+
+def check_recovery_path(path: Path) -> Path:
+    """Create the recovery directory and prove it is writable, at start."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"recovery path {str(path)!r} is not writable ({exc.strerror or exc}); "
+            f"point {RECOVERY_PATH_ENV[0]} at a directory this user can write"
+        ) from None
+    return path
+
+
+def this_host() -> str:
+    return socket.gethostname()

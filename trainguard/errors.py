@@ -1,0 +1,69 @@
+"""One error family. Every message says what happened and what to do about it."""
+
+from __future__ import annotations
+
+
+class TrainguardError(Exception):
+    """Base of every error trainguard raises on purpose."""
+
+
+# --- configuration -----------------------------------------------------------
+
+
+class ConfigError(TrainguardError, ValueError):
+    """A bad environment variable, flag or config value. Raised at start, never mid-run."""
+
+
+# --- the cluster's wire and membership ---------------------------------------
+
+
+class ProtocolError(TrainguardError):
+    """A frame or message that does not follow the protocol (bad magic, version, size or shape)."""
+
+
+class RegistrationRejected(TrainguardError):
+    """The scheduler refused this worker: duplicate live node id, cluster full, mismatched job facts."""
+
+    def __init__(self, message: str, *, code: str = "rejected", retry: bool = False):
+        super().__init__(message)
+        self.code = code
+        self.retry = retry
+
+
+class FencedError(TrainguardError):
+    """A message carried a stale generation or incarnation and was refused."""
+
+
+class SchedulerUnavailable(TrainguardError, ConnectionError):
+    """The scheduler could not be reached within the configured time."""
+
+
+class RendezvousTimeout(TrainguardError, TimeoutError):
+    """The cluster did not form (or agree) in time; the message names who is missing."""
+
+
+class ClusterFailed(TrainguardError):
+    """The job failed for good; the message carries the root cause."""
+
+
+class GenerationChanged(TrainguardError):
+    """Membership changed while waiting; rejoin the new generation."""
+
+
+# --- state, checkpoints and recovery -----------------------------------------
+
+
+class CheckpointError(TrainguardError):
+    """A checkpoint could not be written or read; the message names the file."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file is truncated, altered, hostile or does not match its manifest."""
+
+
+class RecoveryError(TrainguardError):
+    """No consistent step could be restored on every rank."""
+
+
+class ClusterStateError(TrainguardError):
+    """The scheduler's persisted state (cluster.db) is unreadable or belongs to another job."""

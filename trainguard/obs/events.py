@@ -1,0 +1,201 @@
+"""A JSON-lines event log, and the recovery summary computed from it.
+
+Each line is one JSON object with ``ts`` (unix seconds, float), ``event`` (str) and the
+event's fields. Writers append; ``EventLog.read`` skips a torn (half-written) line.
+
+Events that ``summarize_recovery`` reads, with their fields:
+
+- ``failure_detected``  node, rank, signal or kind, generation (the generation that failed)
+- ``generation_formed`` generation (the new one), world_size
+- ``restore_step``      generation, to_step (the step restored), from_step (the step reached
+  before the failure)
+- ``restored``          generation, rank, source (where that rank's state came from)
+- ``step_finished``     generation, step
+
+One recovery = the failures of one generation plus everything tagged with the generation
+that replaces it: the first ``generation_formed`` (or ``restore_step``/``restored``/
+``step_finished``) after the failure whose generation is greater than the failed one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, TrainguardError
+
+log = logging.getLogger(__name__)
+
+FAILURE_DETECTED = "failure_detected"
+GENERATION_FORMED = "generation_formed"
+RESTORE_STEP = "restore_step"
+RESTORED = "restored"
+STEP_FINISHED = "step_finished"
+_RESERVED = ("ts", "event")
+
+
+class EventLog:
+    """Appends one JSON object per line to ``path``; safe to share between threads.
+
+    Each line goes out in a single ``write`` on an ``O_APPEND`` descriptor, so it is never
+    buffered in the process and lines from several processes do not interleave. With
+    ``durable=True`` every event is also fsync'd. Values JSON cannot encode are written as str.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, durable: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self.durable = durable
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # A crash may have left a torn last line: end it so the next event starts cleanly.
+        size = os.fstat(self._fd).st_size
+        if size:
+            with open(self.path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    self._write(b"\n")
+
+    @staticmethod
+    def null() -> EventLog:
+        """A log that records nothing."""
+        return _NullEventLog()
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Write one event and return the record written."""
+        if not isinstance(event, str) or not event:
+            raise ConfigError(f"event must be a non-empty str, got {event!r}")
+        clash = [k for k in _RESERVED if k in fields]
+        if clash:
+            raise ConfigError(f"event fields may not be named {clash}; they are set by EventLog")
+        record = {"ts": self._clock(), "event": event, **fields}
+        self._append(record)
+        return record
+
+    def _append(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._fd is None:
+                raise TrainguardError(f"event log {self.path} is closed; open a new EventLog")
+            self._write(line)
+            if self.durable:
+                os.fsync(self._fd)
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def read(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """All events in ``path``, in file order. A torn last line is skipped; any other line
+        that is not a JSON object is skipped with a warning."""
+        lines = Path(path).read_bytes().split(b"\n")
+        events: list[dict[str, Any]] = []
+        for i, raw in enumerate(lines):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError as e:
+                last = i == len(lines) - 1 or not any(s.strip() for s in lines[i + 1 :])
+                if not last:
+                    log.warning("event log %s: skipping bad line %d: %s", path, i + 1, e)
+                continue
+            if isinstance(obj, dict):
+                events.append(obj)
+            else:
+                log.warning("event log %s: skipping line %d, not a JSON object", path, i + 1)
+        return events
+
+
+class _NullEventLog(EventLog):
+    def __init__(self) -> None:  # no file, no lock needed
+        self.path = Path(os.devnull)
+        self.durable = False
+        self._clock = time.time
+
+    def _append(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# --- summary ---------------------------------------------------------------------------------
+
+
+def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One dict per recovery, in order of failure, with ``generation`` (the new one; None if
+    none followed), ``failed_generation``, ``failures`` (node/rank/signal/kind of each),
+    ``failure_ts``, ``world_size``, ``recovered_ts``, ``mttr_s``, ``from_step``, ``to_step``,
+    ``lost_steps`` and ``sources`` (of ``restored`` events).
+    Values that the events do not determine are None. Pure: events may come from several
+    files, in any order."""
+    evs = sorted((e for e in events if "ts" in e and "event" in e), key=lambda e: e["ts"])
+    after_kinds = (GENERATION_FORMED, RESTORE_STEP, RESTORED, STEP_FINISHED)
+    groups: dict[Any, list[dict[str, Any]]] = {}  # recovery generation -> its failures
+    for i, f in enumerate(evs):
+        if f["event"] != FAILURE_DETECTED:
+            continue
+        failed = f.get("generation")
+        key: Any = ("unrecovered", failed)
+        for e in evs[i + 1 :]:
+            gen = e.get("generation")
+            if e["event"] not in after_kinds or gen is None:
+                continue
+            if (failed is None and e["event"] != STEP_FINISHED) or (failed is not None and gen > failed):
+                key = gen
+                break
+        groups.setdefault(key, []).append(f)
+
+    out = []
+    for key, failures in sorted(groups.items(), key=lambda kv: kv[1][0]["ts"]):
+        gen = None if isinstance(key, tuple) else key
+        t_fail = failures[0]["ts"]
+        later = [e for e in evs if gen is not None and e.get("generation") == gen and e["ts"] >= t_fail]
+
+        def first(kind: str) -> dict[str, Any] | None:
+            return next((e for e in later if e["event"] == kind), None)
+
+        formed, restore, done = first(GENERATION_FORMED), first(RESTORE_STEP), first(STEP_FINISHED)
+        from_step = restore.get("from_step") if restore else None
+        to_step = restore.get("to_step") if restore else None
+        out.append({
+            "generation": gen,
+            "failed_generation": failures[0].get("generation"),
+            "failures": [
+                {k: f[k] for k in ("node", "rank", "signal", "kind") if k in f} for f in failures
+            ],
+            "failure_ts": t_fail,
+            "world_size": formed.get("world_size") if formed else None,
+            "recovered_ts": done["ts"] if done else None,
+            "mttr_s": done["ts"] - t_fail if done else None,
+            "from_step": from_step,
+            "to_step": to_step,
+            "lost_steps": from_step - to_step if from_step is not None and to_step is not None else None,
+            "sources": sorted({str(e["source"]) for e in later if e["event"] == RESTORED and "source" in e}),
+        })
+    return out

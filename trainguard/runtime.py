@@ -1,0 +1,248 @@
+"""The worker runtime behind `trainguard.init()`.
+
+It registers with the scheduler, keeps a heartbeat, learns rank and world size, and builds
+the torch process group of each generation under a fresh store prefix. On a failure it
+drops the broken group and joins the next generation; the process itself never restarts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import config as C
+from .cluster import protocol as p
+from .cluster.client import Heartbeater, SchedulerClient
+from .cluster.rendezvous import SchedulerStore, generation_prefix
+from .errors import ClusterFailed, ConfigError, FencedError, SchedulerUnavailable, TrainguardError
+from .obs.events import EventLog
+
+log = logging.getLogger("trainguard.runtime")
+
+_runtime: "Runtime | None" = None
+MAX_BUILD_FAILURES = 5
+
+
+class Runtime:
+    def __init__(self, cfg: C.ClusterConfig):
+        self.cfg = cfg
+        self.scheduler = None
+        if cfg.embedded_scheduler:
+            cfg = self._host_scheduler(cfg)
+        elif cfg.mode is C.LaunchMode.TORCHRUN and cfg.sched_port == 0:
+            cfg = self._find_scheduler(cfg)
+        self.cfg = cfg
+        self.address = (cfg.sched_host, cfg.sched_port)
+        self.client = SchedulerClient(self.address, connect_timeout=cfg.connect_timeout)
+        self.events = EventLog(cfg.recovery_path / "events.jsonl") if cfg.recovery_path else EventLog.null()
+        self.generation = 0
+        self.rank = -1
+        self.world_size = 0
+        self.local_rank = 0
+        self.group: dist.ProcessGroup | None = None
+        self.step = -1
+        self.finished = False
+        self._error: str = ""
+        self._register()
+
+    # --- scheduler hosted in rank 0 (torchrun / mpirun) ------------------------------------
+
+    def _host_scheduler(self, cfg: C.ClusterConfig) -> C.ClusterConfig:
+        from .cluster.scheduler import start_in_thread
+
+        bind = cfg if cfg.mode is not C.LaunchMode.TORCHRUN or cfg.sched_port else _replace(cfg, sched_port=0)
+        self.scheduler, self._sched_thread = start_in_thread(bind)
+        cfg = _replace(cfg, sched_port=self.scheduler.port)
+        if cfg.mode is C.LaunchMode.TORCHRUN and self.cfg.sched_port == 0:
+            self._torchrun_store().set("trainguard/scheduler", f"{cfg.sched_host}:{cfg.sched_port}")
+        return cfg
+
+    def _find_scheduler(self, cfg: C.ClusterConfig) -> C.ClusterConfig:
+        addr = self._torchrun_store().get("trainguard/scheduler").decode()
+        host, port = addr.rsplit(":", 1)
+        return _replace(cfg, sched_host=host, sched_port=int(port))
+
+    def _torchrun_store(self) -> dist.TCPStore:
+        """torchrun's own store publishes the embedded scheduler's port (no fixed port needed)."""
+        env = os.environ
+        port = env.get(C.TORCHRUN_PORT, "")
+        if not port.isdigit():
+            raise ConfigError(f"{C.TORCHRUN_PORT}={port!r}: torchrun mode needs it (or set TG_SCHED_PORT)")
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
+        is_master = self.cfg.embedded_scheduler and not agent_store
+        return dist.TCPStore(self.cfg.sched_host, int(port), is_master=is_master, wait_for_workers=False,
+                             timeout=timedelta(seconds=self.cfg.connect_timeout))
+
+    # --- membership ------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        reply = self.client.register(node_id=self.cfg.node_id, host=C.this_host(), pid=os.getpid(),
+                                     worker_num=self.cfg.worker_num)
+        self.node_id, self.incarnation = reply.node_id, reply.incarnation
+        log.info("registered as %s (incarnation %d)", self.node_id, self.incarnation)
+        self.heart = Heartbeater(self.address, self.client.identity, self.cfg.heartbeat_interval,
+                                 step_fn=lambda: self.step)
+        self.heart.start()
+
+    def form(self) -> p.Formed:
+        """Join the next generation and build its process group."""
+        failures: list[str] = []
+        while True:
+            if self.heart.fenced:
+                self._reregister()
+            try:
+                formed = self.client.join(after=self.generation, timeout=self.cfg.join_timeout)
+            except FencedError:
+                self.heart.fenced = self.heart.fenced or "fenced on join"
+                continue
+            self.generation, self.rank, self.world_size = formed.generation, formed.rank, formed.world_size
+            self.local_rank = self.cfg.local_rank if self.cfg.local_rank is not None else formed.local_rank
+            try:
+                self._build_group()
+                return formed
+            except (RuntimeError, TrainguardError) as exc:
+                failures.append(f"generation {self.generation}: {exc}")
+                if len(failures) >= MAX_BUILD_FAILURES:
+                    raise ClusterFailed(f"could not build a process group {len(failures)} times in a row; "
+                                        f"last error: {failures[-1]}") from exc
+                log.warning("building the group of generation %d failed (%s); regrouping", self.generation, exc)
+                self.report_failure(str(exc))
+
+    def _reregister(self) -> None:
+        log.warning("this worker was fenced (%s); registering again", self.heart.fenced)
+        self.heart.stop()
+        self._register()
+
+    def _backend(self) -> str:
+        want = self.cfg.backend
+        if want == "auto":
+            want = "nccl" if torch.cuda.is_available() else "gloo"
+        if want == "nccl":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"{C.BACKEND_ENV}=nccl but CUDA is not available; use gloo")
+            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+        return want
+
+    def _build_group(self) -> None:
+        self.drop_group()
+        t0 = time.monotonic()
+        timeout = timedelta(seconds=self.cfg.collective_timeout)
+        # keep the Python store alive: C++ holds only its base, and the overrides vanish with it
+        self._store = SchedulerStore(self.client, self.generation, timeout)
+        store = dist.PrefixStore(generation_prefix(self.generation), self._store)
+        backend = self._backend()
+        kwargs = {}
+        if backend == "nccl":
+            kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout, **kwargs)
+        self.group = dist.group.WORLD
+        log.info("generation %d: rank %d of %d, %s group built in %.0f ms", self.generation, self.rank,
+                 self.world_size, backend, 1000 * (time.monotonic() - t0))
+
+    def drop_group(self) -> None:
+        if self.group is not None or dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError) as exc:
+                log.warning("dropping the broken group: %s", exc)
+        self.group = None
+
+    def report_failure(self, detail: str, kind: p.FailureKind = p.FailureKind.COLLECTIVE) -> None:
+        try:
+            self.client.report_failure(self.generation, kind, detail)
+        except SchedulerUnavailable as exc:
+            log.warning("could not report the failure (%s); the scheduler will learn it otherwise", exc)
+
+    def membership_changed(self) -> bool:
+        """True when the scheduler has moved past our generation (seen by the heartbeat)."""
+        return bool(self.heart.fenced) or self.heart.generation_seen > self.generation
+
+    # --- the end ---------------------------------------------------------------------------
+
+    def finish(self, ok: bool = True, detail: str = "") -> None:
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            self.client.finish(ok, detail)
+        except (TrainguardError, OSError) as exc:
+            log.warning("could not tell the scheduler this worker finished: %s", exc)
+        self.heart.stop()
+        self.drop_group()
+        self.client.close()
+        if self.scheduler is not None:  # rank 0 hosts the scheduler: let the others finish first
+            self._sched_thread.join(timeout=self.cfg.join_timeout)
+
+    def record_error(self, text: str) -> None:
+        self._error = text
+
+    def _at_exit(self) -> None:
+        self.finish(ok=not self._error, detail=self._error)
+
+
+def _replace(cfg: C.ClusterConfig, **changes) -> C.ClusterConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)
+
+
+def init(env=None) -> Runtime:
+    """Join the cluster described by the environment. A scheduler-role process serves and exits here."""
+    global _runtime
+    if _runtime is not None:
+        return _runtime
+    cfg = C.from_env(env)
+    if cfg.role is C.Role.SCHEDULER:
+        from .cluster.scheduler import run_scheduler
+
+        sys.exit(run_scheduler(cfg))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rt = Runtime(cfg)
+    previous_hook = sys.excepthook
+
+    def hook(tp, value, tb):
+        rt.record_error("".join(traceback.format_exception(tp, value, tb))[-8000:])
+        previous_hook(tp, value, tb)
+
+    sys.excepthook = hook
+    atexit.register(rt._at_exit)
+    rt.form()
+    _runtime = rt
+    from .train import data
+
+    data.default_shard_info = lambda: (rt.world_size, rt.rank)
+    return rt
+
+
+def current() -> Runtime:
+    if _runtime is None:
+        raise TrainguardError("trainguard.init() has not been called in this process")
+    return _runtime
+
+
+def get_rank() -> int:
+    return current().rank
+
+
+def get_world_size() -> int:
+    return current().world_size
+
+
+def get_local_rank() -> int:
+    return current().local_rank
+
+
+def get_group() -> dist.ProcessGroup:
+    group = current().group
+    assert group is not None
+    return group

@@ -1,0 +1,203 @@
+"""A deterministic, resumable, sharded sampler.
+
+Epoch ``e``'s global order is ``torch.randperm(N)`` drawn from a private
+``torch.Generator().manual_seed(seed + e)`` (or ``range(N)`` without shuffle), padded by
+repeating from the start until it divides evenly by ``num_shards`` (or truncated, with
+``drop_last``). Shard ``k`` takes ``order[k::num_shards]``. The global torch RNG is never used.
+
+Resuming: every shard of a data-parallel job moves in lockstep, so ``position`` (indices of
+this shard already handed out in the current epoch) is the same on every rank. With a
+``DataLoader(batch_size=B, num_workers=0)`` it equals ``batches_done * B``; with worker
+processes the loader reads ahead of the training loop, so record ``batches_done * B`` yourself
+and resume with ``set_position``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+# Set by the runtime to a callable returning (world_size, rank). Read when a sampler built
+# without num_shards/shard_id first needs them; unset means a single shard, (1, 0).
+default_shard_info: Callable[[], tuple[int, int]] | None = None
+
+
+def _check_int(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{name} must be an int >= {lo}, got {value!r}")
+    return value
+
+
+def _check_sharding(num_shards: Any, shard_id: Any, where: str = "") -> tuple[int, int]:
+    _check_int(f"num_shards{where}", num_shards, 1)
+    _check_int(f"shard_id{where}", shard_id, 0)
+    if shard_id >= num_shards:
+        raise ConfigError(f"shard_id{where} must be < num_shards ({num_shards}), got {shard_id}")
+    return num_shards, shard_id
+
+
+class ShardedSampler(torch.utils.data.Sampler[int]):
+    """Yields this shard's dataset indices for the current epoch; see the module docstring."""
+
+    def __init__(
+        self,
+        dataset_or_len: Sized | int,
+        *,
+        num_shards: int | None = None,
+        shard_id: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
+        self._n = _check_int("dataset_or_len", n, 0)
+        if (num_shards is None) != (shard_id is None):
+            raise ConfigError(
+                "num_shards and shard_id must be given together, or both left None to take "
+                f"them from default_shard_info; got num_shards={num_shards!r}, shard_id={shard_id!r}"
+            )
+        self._num_shards: int | None = None
+        self._shard_id: int | None = None
+        if num_shards is not None:
+            self._num_shards, self._shard_id = _check_sharding(num_shards, shard_id)
+        self.shuffle = bool(shuffle)
+        self.seed = _check_int("seed", seed, 0)
+        self.drop_last = bool(drop_last)
+        self._epoch = 0
+        self._start = 0  # where the next __iter__ begins; one-shot
+        self._position = 0  # indices handed out so far in the current epoch
+
+    # --- sharding -------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        self._resolve()
+        return self._num_shards  # type: ignore[return-value]
+
+    @property
+    def shard_id(self) -> int:
+        self._resolve()
+        return self._shard_id  # type: ignore[return-value]
+
+    def _resolve(self) -> None:
+        if self._num_shards is not None:
+            return
+        hook = default_shard_info
+        world, rank = hook() if hook is not None else (1, 0)
+        self._num_shards, self._shard_id = _check_sharding(world, rank, " (from default_shard_info)")
+
+    def _len_for(self, num_shards: int) -> int:
+        return self._n // num_shards if self.drop_last else math.ceil(self._n / num_shards)
+
+    def _carry_position(self, old_shards: int, position: int, new_shards: int) -> int:
+        """Map a position under ``old_shards`` to ``new_shards``: possible at epoch boundaries only."""
+        if new_shards == old_shards:
+            return position
+        if position == 0:
+            return 0
+        if position >= self._len_for(old_shards):
+            return self._len_for(new_shards)
+        raise ConfigError(
+            f"cannot move from num_shards={old_shards} to num_shards={new_shards} mid-epoch "
+            f"(epoch {self._epoch}, position {position} of {self._len_for(old_shards)}); "
+            "change sharding between epochs, or resume with the same num_shards"
+        )
+
+    def reshard(self, num_shards: int, shard_id: int) -> None:
+        """Use a new sharding from the next ``__iter__``; only at an epoch boundary."""
+        num_shards, shard_id = _check_sharding(num_shards, shard_id)
+        self._position = self._carry_position(self.num_shards, self._position, num_shards)
+        self._start = min(self._start, self._position)
+        self._num_shards, self._shard_id = num_shards, shard_id
+
+    # --- epoch and position ---------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch; a new epoch starts at position 0, the current one keeps its position."""
+        _check_int("epoch", epoch, 0)
+        if epoch != self._epoch:
+            self._epoch, self._start, self._position = epoch, 0, 0
+
+    def set_position(self, position: int) -> None:
+        """Make the next ``__iter__`` start at this shard's ``position``-th index of the epoch.
+
+        A position past the end (``batches_done * B`` after a short last batch) means the
+        epoch is done."""
+        _check_int("position", position, 0)
+        self._start = self._position = min(position, len(self))
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "num_shards": self.num_shards,
+            "shard_id": self.shard_id,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore epoch, position and seed. This sampler keeps its own sharding (the saved
+        ``shard_id`` is informational, as positions are equal on every shard); a saved
+        ``num_shards`` that differs is accepted only at an epoch boundary."""
+        missing = {"epoch", "position", "num_shards", "seed"} - state.keys()
+        if missing:
+            raise ConfigError(f"sampler state is missing {sorted(missing)}; got keys {sorted(state)}")
+        epoch = _check_int("state['epoch']", state["epoch"], 0)
+        position = _check_int("state['position']", state["position"], 0)
+        saved_shards = _check_int("state['num_shards']", state["num_shards"], 1)
+        seed = _check_int("state['seed']", state["seed"], 0)
+        if position > self._len_for(saved_shards):
+            raise ConfigError(
+                f"state['position'] must be <= {self._len_for(saved_shards)} for a dataset of "
+                f"{self._n} with num_shards={saved_shards}, got {position}"
+            )
+        self._epoch, self.seed = epoch, seed
+        self._start = self._position = self._carry_position(saved_shards, position, self.num_shards)
+
+    # --- iteration ------------------------------------------------------------
+    def global_order(self, epoch: int | None = None) -> list[int]:
+        """Epoch's global order after padding/truncation (every shard's indices, interleaved)."""
+        epoch = self._epoch if epoch is None else epoch
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self._n, generator=gen).tolist()
+        else:
+            order = list(range(self._n))
+        total = self._len_for(self.num_shards) * self.num_shards
+        if total <= len(order):
+            return order[:total]
+        pad = total - len(order)
+        return order + (order * math.ceil(pad / len(order)))[:pad]
+
+    def indices(self, epoch: int | None = None) -> list[int]:
+        """This shard's full index list for an epoch."""
+        return self.global_order(epoch)[self.shard_id :: self.num_shards]
+
+    def __len__(self) -> int:
+        return self._len_for(self.num_shards)
+
+    def __iter__(self) -> Iterator[int]:
+        mine = self.indices()
+        start, self._start = self._start, 0
+        self._position = start
+        return self._walk(mine, start)
+
+    def _walk(self, mine: list[int], start: int) -> Iterator[int]:
+        for i in range(start, len(mine)):
+            self._position = i + 1
+            yield mine[i]
+
+    def __repr__(self) -> str:
+        shards = f"{self._shard_id}/{self._num_shards}" if self._num_shards else "lazy"
+        return (
+            f"ShardedSampler(n={self._n}, shard={shards}, shuffle={self.shuffle}, "
+            f"seed={self.seed}, drop_last={self.drop_last}, epoch={self._epoch}, "
+            f"position={self._position})"
+        )
