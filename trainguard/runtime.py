@@ -205,7 +205,8 @@ def init(env=None) -> Runtime:
         from .cluster.scheduler import run_scheduler
 
         sys.exit(run_scheduler(cfg))
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(level=os.environ.get(C.LOG_LEVEL_ENV, "WARNING").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rt = Runtime(cfg)
     previous_hook = sys.excepthook

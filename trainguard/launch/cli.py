@@ -1,0 +1,171 @@
+"""`trainguard` command line: `scheduler` and `run` (room is left for `ckpt` and `chaos`).
+
+Flag names follow torchrun where they mean the same (`--nproc-per-node`, `--nnodes`,
+`--node-rank`, `--max-restarts`, `--log-dir`; `--master-addr/--master-port` are aliases of
+`--sched-host/--sched-port`). Bad input prints one message to stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from ..config import (
+    RECOVERY_PATH_ENV, ROLE_ENV, SCHED_HOST_ENV, SCHED_PORT_ENV, WORKER_NUM_ENV, Role,
+    check_recovery_path, from_env,
+)
+from ..errors import ConfigError
+from .agent import EXIT_CONFIG, LaunchSpec, Supervisor, set_env
+
+DEFAULT_SCHED_HOST = "127.0.0.1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainguard", description="Fault-tolerant PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sched = sub.add_parser("scheduler", help="run the job's scheduler in this process",
+                           description="Run the scheduler; flags override TG_*/MS_* environment variables.")
+    sched.add_argument("--host", help="address to serve on (TG_SCHED_HOST)")
+    sched.add_argument("--port", type=int, help="TCP port (TG_SCHED_PORT)")
+    sched.add_argument("--workers", type=int, help="total number of workers in the job (TG_WORKER_NUM)")
+    sched.set_defaults(handler=_scheduler)
+
+    run = sub.add_parser("run", help="start and supervise this host's workers (and the scheduler on node rank 0)")
+    run.add_argument("--workers", "--nproc-per-node", "--nproc_per_node", dest="workers", type=int, default=1,
+                     help="worker processes on this host (default 1)")
+    run.add_argument("--nnodes", type=int, default=1, help="number of hosts (default 1)")
+    run.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                     help="this host's rank; rank 0 starts the scheduler (default 0)")
+    run.add_argument("--sched-host", "--master-addr", "--master_addr", dest="sched_host",
+                     help=f"scheduler address (default TG_SCHED_HOST, else {DEFAULT_SCHED_HOST})")
+    run.add_argument("--sched-port", "--master-port", "--master_port", dest="sched_port", type=int,
+                     help="scheduler port (default TG_SCHED_PORT, else a free port; required with --nnodes > 1)")
+    run.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=3,
+                     help="restarts allowed for the whole job; 0 turns recovery off (default 3)")
+    run.add_argument("--recovery-path", dest="recovery_path", type=Path,
+                     help="directory for cluster.db and events (default TG_RECOVERY_PATH, else a new temp dir)")
+    run.add_argument("--log-dir", "--log_dir", dest="log_dir", type=Path,
+                     help="also write each child's output to DIR/worker_<node id>.log and DIR/scheduler.log")
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(handler=_run)
+    # later: `ckpt` (inspect/convert checkpoints) and `chaos` (fault injection) register here.
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ConfigError as exc:
+        print(f"trainguard {args.command}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+# --- scheduler ------------------------------------------------------------------------
+
+
+def _scheduler(args: argparse.Namespace) -> int:
+    env = dict(os.environ)
+    set_env(env, ROLE_ENV, Role.SCHEDULER.value)
+    for names, value in ((SCHED_HOST_ENV, args.host), (SCHED_PORT_ENV, args.port), (WORKER_NUM_ENV, args.workers)):
+        if value is not None:
+            set_env(env, names, str(value))
+    cfg = from_env(env)
+    if cfg.enable_recovery and cfg.recovery_path is not None:
+        check_recovery_path(cfg.recovery_path)
+    from ..cluster.scheduler import run_scheduler  # lazy: the agent must import without it
+
+    return run_scheduler(cfg)
+
+
+# --- run --------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    return Supervisor(resolve_run(args, os.environ)).run()
+
+
+def _first(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    return next(((n, env[n]) for n in names if env.get(n, "").strip()), None)
+
+
+def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
+    """Flags (then env) → a validated LaunchSpec with the port and recovery path chosen."""
+    spec = LaunchSpec(script=args.script, script_args=tuple(args.script_args), nproc_per_node=args.workers,
+                      nnodes=args.nnodes, node_rank=args.node_rank, sched_port=args.sched_port or 0,
+                      max_restarts=args.max_restarts)
+    if not Path(args.script).is_file():
+        raise ConfigError(f"script {args.script!r} not found")
+    host_env, port_env = _first(env, SCHED_HOST_ENV), _first(env, SCHED_PORT_ENV)
+    host = args.sched_host or (host_env[1].strip() if host_env else None)
+    port = args.sched_port
+    if port is None and port_env is not None:
+        try:
+            port = int(port_env[1])
+        except ValueError:
+            raise ConfigError(f"{port_env[0]}={port_env[1]!r} is invalid: expected a port in 1..65535") from None
+    if spec.nnodes > 1 and (host is None or not port):
+        raise ConfigError("with --nnodes > 1 every agent needs the same --sched-host and --sched-port "
+                          "(the address of node rank 0, where the scheduler runs)")
+    host = host or DEFAULT_SCHED_HOST
+    if not port:
+        port = pick_free_port(host)
+    if spec.hosts_scheduler:
+        check_port_free(host, port)
+    recovery = args.recovery_path
+    if recovery is None and spec.enable_recovery:
+        path_env = _first(env, RECOVERY_PATH_ENV)
+        recovery = Path(path_env[1]) if path_env else Path(tempfile.mkdtemp(prefix="trainguard-"))
+    if recovery is not None:
+        recovery = check_recovery_path(recovery.expanduser().resolve())
+    return replace(spec, sched_host=host, sched_port=port, recovery_path=recovery, log_dir=args.log_dir)
+
+
+# --- ports --------------------------------------------------------------------------------
+
+
+def _address(host: str, port: int) -> tuple[int, tuple]:
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"--sched-host {host!r} does not resolve ({exc.strerror})") from None
+    return family, addr
+
+
+def pick_free_port(host: str) -> int:
+    """A port the OS says is free on `host` now (bind port 0, read it, close)."""
+    family, addr = _address(host, 0)
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise ConfigError(f"cannot open a port on --sched-host {host} ({exc.strerror}); "
+                              "give an address of this machine") from None
+        return sock.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ConfigError naming the port and the flag if the scheduler could not listen there."""
+    family, addr = _address(host, port)
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the scheduler's server will
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"scheduler port {port} on {host} is already in use; choose another with "
+                                  "--sched-port (or leave it out to get a free one)") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"--sched-host {host} is not an address of this machine, but node rank 0 "
+                                  "runs the scheduler here; give one of its own addresses") from None
+            raise ConfigError(f"cannot use scheduler port {port} on {host}: {exc.strerror}; "
+                              "choose another with --sched-port") from None
