@@ -1,19 +1,44 @@
 """trainguard: PyTorch distributed training that survives failures.
 
-Public API; import from here, never from a submodule.
+Public API; import from here, never from a submodule. Names load lazily, so the scheduler
+and the launcher start without importing torch.
 """
 
-from .checkpoint.blob import load_state, save_state
-from .checkpoint.manager import CheckpointConfig, ModelCheckpoint
+from __future__ import annotations
+
+import importlib
+
 from .errors import (CheckpointCorrupt, CheckpointError, ClusterFailed, ClusterStateError, ConfigError,
                      FencedError, ProtocolError, RecoveryError, RegistrationRejected, RendezvousTimeout,
                      SchedulerUnavailable, TrainguardError)
-from .runtime import get_group, get_local_rank, get_rank, get_world_size, init
-from .train.callbacks import Callback, LossMonitor, StepTimeMonitor
-from .train.data import ShardedSampler
-from .train.model import Model
-from .train.parallel import DataParallel
-from .train.session import Session, SessionConfig, Step
-from .train.state import TrainState
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "init": "runtime", "get_rank": "runtime", "get_world_size": "runtime", "get_local_rank": "runtime",
+    "get_group": "runtime",
+    "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",
+    "CheckpointConfig": "checkpoint.manager", "ModelCheckpoint": "checkpoint.manager",
+    "Callback": "train.callbacks", "LossMonitor": "train.callbacks", "StepTimeMonitor": "train.callbacks",
+    "ShardedSampler": "train.data", "Model": "train.model", "DataParallel": "train.parallel",
+    "Session": "train.session", "SessionConfig": "train.session", "Step": "train.session",
+    "TrainState": "train.state",
+}
+
+__all__ = sorted(_LAZY) + [
+    "CheckpointCorrupt", "CheckpointError", "ClusterFailed", "ClusterStateError", "ConfigError", "FencedError",
+    "ProtocolError", "RecoveryError", "RegistrationRejected", "RendezvousTimeout", "SchedulerUnavailable",
+    "TrainguardError",
+]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -40,7 +40,7 @@ def unpack(data: bytes, what: str = "state blob"):
         tensors = st_load(bytes(body)) if n_body else {}
     except (ValueError, RuntimeError) as exc:  # json / safetensors parse errors
         raise CheckpointCorrupt(f"{what}: {exc}") from None
-    return unflatten_state(tensors, meta)
+    return unflatten_state(tensors, meta, copy=False)
 
 
 def save_state(path, obj) -> None:
@@ -65,4 +65,4 @@ def load_state(path):
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (KeyError, ValueError, OSError, RuntimeError) as exc:
         raise CheckpointCorrupt(f"{path}: not a trainguard state file ({exc})") from None
-    return unflatten_state(tensors, meta)
+    return unflatten_state(tensors, meta, copy=False)

@@ -87,7 +87,7 @@ class ModelCheckpoint:
             if info.step == step:
                 shards, manifest = load_checkpoint(info.path)
                 (tensors,) = shards.values()
-                return unflatten_state(tensors, manifest["meta"])
+                return unflatten_state(tensors, manifest["meta"], copy=False)
         raise CheckpointError(f"no complete checkpoint of step {step} in {self.directory}")
 
     # --- when -----------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class ModelCheckpoint:
             session._snapshot()
             snap = session.snapshots.get(session.step)
         self._rank = session.rt.rank
-        obj = {"shared": unflatten_state(snap.tensors, snap.meta), "own": unpack(snap.own)}
+        obj = {"shared": unflatten_state(snap.tensors, snap.meta, copy=False), "own": unpack(snap.own)}
         tensors, meta = flatten_state(obj, copy=False)
         progress = obj["own"]["progress"]
         folder = self.directory / checkpoint_name(self.prefix, *_seed_name(progress, session.steps_per_epoch))

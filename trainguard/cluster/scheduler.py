@@ -27,6 +27,8 @@ from .decisions import decide_agreement
 
 log = logging.getLogger("trainguard.scheduler")
 
+EXIT_JOB_FAILED = 3  # the job failed for good (a crash of the scheduler itself exits otherwise)
+
 
 class Scheduler:
     def __init__(self, cfg: ClusterConfig):
@@ -92,7 +94,7 @@ class Scheduler:
             log.info("all %d workers finished; scheduler exits", self.cluster.worker_num)
         if self.db:
             self.db.close()
-        return 0 if ok else 1
+        return 0 if ok else EXIT_JOB_FAILED
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -161,6 +163,8 @@ class Scheduler:
                 pass
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
             log.debug("connection from %s lost: %s", peer, exc)
+        except asyncio.CancelledError:  # the server is shutting down at job end
+            return
         finally:
             bound = self._liveness.pop(id(writer), None)
             writer.close()

@@ -1,0 +1,383 @@
+"""One checkpoint folder on disk: safetensors shards plus `manifest.json`, written last.
+
+A save writes into a hidden sibling temp folder, fsyncs every file, writes the manifest
+(sha256 and size of every shard), then renames the folder into place. A folder that has
+a parseable manifest and every listed file at its listed size is complete; anything else
+(temp folders, a crash at any point) is ignored by `list_checkpoints`. Loads validate the
+manifest and each safetensors header themselves before safetensors parses a byte.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+
+from ..errors import CheckpointCorrupt, CheckpointError
+
+log = logging.getLogger("trainguard.checkpoint")
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+STALE_TEMP_SECONDS = 3600.0
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9_.\-]+\.safetensors$")
+_TEMP_TAGS = ("tmp", "old", "del")
+_FALLBACK = "fall back to an earlier checkpoint"
+
+# safetensors dtype name -> (torch dtype, bytes per element); only dtypes safetensors reads
+_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    name: (getattr(torch, attr), size) for name, attr, size in [
+        ("F64", "float64", 8), ("F32", "float32", 4), ("F16", "float16", 2), ("BF16", "bfloat16", 2),
+        ("I64", "int64", 8), ("I32", "int32", 4), ("I16", "int16", 2), ("I8", "int8", 1),
+        ("U64", "uint64", 8), ("U32", "uint32", 4), ("U16", "uint16", 2), ("U8", "uint8", 1),
+        ("BOOL", "bool", 1), ("C64", "complex64", 8), ("F8_E4M3", "float8_e4m3fn", 1),
+        ("F8_E5M2", "float8_e5m2", 1), ("F8_E4M3FNUZ", "float8_e4m3fnuz", 1),
+        ("F8_E5M2FNUZ", "float8_e5m2fnuz", 1),
+    ] if hasattr(torch, attr)
+}
+_DTYPE_NAMES = {dt: name for name, (dt, _) in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    epoch: int
+    world_size: int
+
+
+def checkpoint_name(prefix: str, epoch: int, step_in_epoch: int) -> str:
+    """MindSpore's folder name: ``{prefix}-{epoch}_{step_in_epoch}``."""
+    return f"{prefix}-{epoch}_{step_in_epoch}"
+
+
+def _bad_name(name: Any) -> str | None:
+    if not isinstance(name, str):
+        return f"file name {name!r} is not a string"
+    if "/" in name or "\\" in name or ".." in name or os.path.isabs(name):
+        return f"file name {name!r} leaves the checkpoint folder"
+    if not _SHARD_NAME.match(name):
+        return f"file name {name!r} is not a plain *.safetensors name"
+    return None
+
+
+# --- writing -------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # filesystems without directory fsync
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """Write one safetensors file (streamed, fsynced); return (sha256 hex, size)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for key in sorted(tensors):
+        t = tensors[key]
+        if not isinstance(key, str) or key == "__metadata__":
+            raise CheckpointError(f"{path.name}: tensor name {key!r} is not a str or is reserved")
+        if t.dtype not in _DTYPE_NAMES:
+            raise CheckpointError(f"{path.name}: tensor {key!r} has dtype {t.dtype}, which safetensors "
+                                  f"cannot store; supported: {', '.join(sorted(_DTYPES))}")
+        t = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(tensors[key].shape),
+                       "data_offsets": [offset, offset + n]}
+        blobs.append(t.view(torch.uint8).numpy() if n else b"")
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
+    with open(path, "xb") as f:
+        for chunk in (struct.pack("<Q", len(head)), head, *blobs):
+            f.write(chunk)
+            digest.update(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest(), 8 + len(head) + offset
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "x", encoding="utf-8") as f:
+        json.dump(obj, f, allow_nan=False, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(folder: Path, shards: dict[str, dict[str, torch.Tensor]], *, meta: dict, step: int,
+                    epoch: int, world_size: int, append_info: dict | None = None) -> Path:
+    """Write `shards` and a manifest to `folder` atomically; an existing `folder` is replaced.
+
+    On failure raises CheckpointError naming the file, removes the temp folder and leaves
+    any earlier checkpoint at `folder` as it was."""
+    folder = Path(folder)
+    for name in shards:
+        if (why := _bad_name(name)) is not None:
+            raise CheckpointError(f"cannot save {folder}: {why}")
+    for key, value, low in (("step", step, 0), ("epoch", epoch, 0), ("world_size", world_size, 1)):
+        if type(value) is not int or value < low:
+            raise CheckpointError(f"cannot save {folder}: {key} must be an int >= {low}, got {value!r}")
+    if not isinstance(meta, dict) or not isinstance(append_info, (dict, type(None))):
+        raise CheckpointError(f"cannot save {folder}: meta must be a dict and append_info a dict or None")
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors files are little-endian; this host is big-endian")
+    manifest = {"format_version": FORMAT_VERSION, "step": step, "epoch": epoch, "world_size": world_size,
+                "meta": meta, "append_info": append_info, "files": {}, "created": time.time()}
+    try:
+        json.dumps(manifest, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"cannot save {folder}: meta/append_info is not plain JSON: {exc}") from exc
+
+    parent, tag = folder.parent, f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp, old = parent / f".{folder.name}.tmp-{tag}", parent / f".{folder.name}.old-{tag}"
+    current, moved_aside, done = parent, False, False
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        current = tmp
+        tmp.mkdir()
+        for name, tensors in shards.items():
+            current = tmp / name
+            sha, size = _write_shard(current, tensors)
+            manifest["files"][name] = {"sha256": sha, "bytes": size}
+        current = tmp / MANIFEST
+        _write_json(current, manifest)
+        current = tmp
+        _fsync_dir(tmp)
+        current = folder
+        if folder.exists():
+            os.rename(folder, old)
+            moved_aside = True
+        os.rename(tmp, folder)
+        done = True
+        current = parent
+        _fsync_dir(parent)
+    except OSError as exc:
+        state = ("it is in place but may not survive a power loss" if done
+                 else "the previous checkpoint is unchanged")
+        raise CheckpointError(f"could not write checkpoint {folder}: {current}: {exc.strerror or exc} "
+                              f"[errno {exc.errno}]; {state}") from exc
+    finally:  # also on CheckpointError (bad dtype) or KeyboardInterrupt
+        if not done:
+            if moved_aside:
+                _undo_aside(old, folder)
+            _remove(tmp)
+        elif moved_aside:
+            _remove(old)
+    return folder
+
+
+def _undo_aside(old: Path, folder: Path) -> None:
+    try:
+        os.rename(old, folder)
+    except OSError as exc:
+        log.error("could not move the previous checkpoint %s back to %s: %s", old, folder, exc)
+
+
+def _remove(path: Path) -> bool:
+    if not path.exists():
+        return False
+    try:
+        shutil.rmtree(path)
+        return True
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
+        return False
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def _corrupt(path: Path, what: str) -> CheckpointCorrupt:
+    return CheckpointCorrupt(f"{path}: {what}; {_FALLBACK}")
+
+
+def read_manifest(folder: Path) -> dict:
+    """The validated manifest of `folder` (no hashing); raises CheckpointCorrupt."""
+    path = Path(folder) / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise _corrupt(path, "is missing: the save never completed") from None
+    except OSError as exc:
+        raise _corrupt(path, f"cannot be read ({exc.strerror})") from exc
+    try:
+        m = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _corrupt(path, f"is not JSON ({exc})") from None
+    if not isinstance(m, dict):
+        raise _corrupt(path, "is not a JSON object")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise _corrupt(path, f"has format_version {m.get('format_version')!r}, expected {FORMAT_VERSION}")
+    for key, kind in (("step", int), ("epoch", int), ("world_size", int), ("meta", dict), ("files", dict),
+                      ("created", (int, float))):
+        if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
+            raise _corrupt(path, f"field {key!r} is missing or not a {getattr(kind, '__name__', 'number')}")
+    if m["step"] < 0 or m["epoch"] < 0 or m["world_size"] < 1:
+        raise _corrupt(path, f"step/epoch/world_size {m['step']}/{m['epoch']}/{m['world_size']} out of range")
+    if m.get("append_info") is not None and not isinstance(m["append_info"], dict):
+        raise _corrupt(path, "field 'append_info' is not an object")
+    for name, entry in m["files"].items():
+        if (why := _bad_name(name)) is not None:
+            raise _corrupt(path, why)
+        ok = isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if not ok or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise _corrupt(path, f"entry for {name!r} needs a 64-hex 'sha256' and a non-negative 'bytes'")
+    return m
+
+
+def _check_header(path: Path, data: bytes) -> None:
+    """Validate a safetensors header before the parser sees it."""
+    if len(data) < 8:
+        raise _corrupt(path, f"is {len(data)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack_from("<Q", data)
+    if n > MAX_HEADER_BYTES or 8 + n > len(data):
+        raise _corrupt(path, f"safetensors header claims {n} bytes; the file has {len(data)} (limit "
+                       f"{MAX_HEADER_BYTES})")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _corrupt(path, f"safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "safetensors header is not a JSON object")
+    body, spans = len(data) - 8 - n, []
+    for key, spec in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(spec, dict) or spec.get("dtype") not in _DTYPES:
+            raise _corrupt(path, f"tensor {key!r} has unknown dtype {str(spec)[:80]}")
+        shape, offs = spec.get("shape"), spec.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+            raise _corrupt(path, f"tensor {key!r} has a bad shape {str(shape)[:80]}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+                and 0 <= offs[0] <= offs[1] <= body):
+            raise _corrupt(path, f"tensor {key!r} has data offsets {str(offs)[:80]} outside the {body}-byte data")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel * _DTYPES[spec["dtype"]][1] != offs[1] - offs[0]:
+            raise _corrupt(path, f"tensor {key!r} is {spec['dtype']} {shape} but spans {offs[1] - offs[0]} bytes")
+        spans.append((offs[0], offs[1], key))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise _corrupt(path, f"tensors {a!r} and {b!r} overlap in the data")
+
+
+def _read_shard(path: Path, entry: dict, verify: bool) -> dict[str, torch.Tensor]:
+    if path.is_symlink() or not path.is_file():
+        raise _corrupt(path, "is missing (or not a regular file) but the manifest lists it")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise _corrupt(path, f"cannot be read ({exc.strerror})") from exc
+    if len(data) != entry["bytes"]:
+        raise _corrupt(path, f"is {len(data)} bytes, the manifest says {entry['bytes']} (truncated or "
+                       "overwritten)")
+    if verify and hashlib.sha256(data).hexdigest() != entry["sha256"].lower():
+        raise _corrupt(path, "sha256 does not match the manifest (the file was altered or bits flipped)")
+    _check_header(path, data)
+    try:
+        return st_load(data)
+    except (SafetensorError, ValueError, RuntimeError, KeyError) as exc:
+        raise _corrupt(path, f"safetensors could not parse it ({exc})") from None
+
+
+def load_checkpoint(folder: Path, *, verify: bool = True) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """(shards, manifest) of a complete checkpoint; verify=True also checks every sha256."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    shards = {name: _read_shard(folder / name, entry, verify) for name, entry in manifest["files"].items()}
+    return shards, manifest
+
+
+# --- listing and pruning -------------------------------------------------------------------
+
+
+def _is_complete(folder: Path) -> dict | None:
+    try:
+        m = read_manifest(folder)
+    except CheckpointCorrupt as exc:
+        log.warning("ignoring incomplete checkpoint folder: %s", exc)
+        return None
+    for name, entry in m["files"].items():
+        try:
+            size = (folder / name).stat().st_size
+        except OSError:
+            size = -1
+        if size != entry["bytes"]:
+            log.warning("ignoring checkpoint %s: %s is %s bytes, the manifest says %s",
+                        folder, name, "missing" if size < 0 else size, entry["bytes"])
+            return None
+    return m
+
+
+def list_checkpoints(directory: Path, prefix: str) -> list[CheckpointInfo]:
+    """Complete checkpoints `{prefix}-{epoch}_{n}` in `directory`, oldest step first (no hashing)."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-\d+_\d+$")
+    try:
+        entries = sorted(Path(directory).iterdir())
+    except FileNotFoundError:
+        return []
+    found = []
+    for path in entries:
+        if pattern.match(path.name) and path.is_dir() and (m := _is_complete(path)) is not None:
+            found.append(CheckpointInfo(path, m["step"], m["epoch"], m["world_size"]))
+    return sorted(found, key=lambda c: (c.step, c.epoch, c.path.name))
+
+
+def _stale(path: Path, cutoff: float) -> bool:
+    try:
+        newest = max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.iterdir()])
+    except OSError:
+        return False  # vanished or unreadable; another process owns it
+    return newest < cutoff
+
+
+def prune_checkpoints(directory: Path, prefix: str, keep_max: int, *,
+                      stale_temp_seconds: float = STALE_TEMP_SECONDS) -> list[Path]:
+    """Delete the oldest complete checkpoints so at most max(keep_max, 1) remain, and temp
+    folders older than `stale_temp_seconds`. Returns what was deleted."""
+    directory = Path(directory)
+    infos = list_checkpoints(directory, prefix)
+    deleted = []
+    for info in infos[:max(len(infos) - max(keep_max, 1), 0)]:
+        aside = directory / f".{info.path.name}.del-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.rename(info.path, aside)  # no half-deleted folder under the real name
+        except OSError as exc:
+            log.warning("could not prune %s: %s", info.path, exc)
+            continue
+        _remove(aside)
+        deleted.append(info.path)
+    temp = re.compile(rf"^\.{re.escape(prefix)}-\d+_\d+\.(?:{'|'.join(_TEMP_TAGS)})-\d+-[0-9a-f]+$")
+    cutoff = time.time() - stale_temp_seconds
+    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+        if temp.match(path.name) and path.is_dir() and _stale(path, cutoff) and _remove(path):
+            deleted.append(path)
+    return deleted
