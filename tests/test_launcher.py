@@ -21,7 +21,7 @@ import pytest
 from trainguard.config import Role
 from trainguard.errors import ConfigError
 from trainguard.launch import cli
-from trainguard.launch.agent import (
+from trainguard.launch.policy import (
     Action, Failure, LaunchSpec, decide_exit, describe_exit, exit_code_for, failure_summary,
     scheduler_env, signal_exit_code, worker_env,
 )

@@ -62,7 +62,8 @@ class Runtime:
         self.scheduler, self._sched_thread = start_in_thread(bind)
         cfg = _replace(cfg, sched_port=self.scheduler.port)
         if cfg.mode is C.LaunchMode.TORCHRUN and self.cfg.sched_port == 0:
-            self._torchrun_store().set("trainguard/scheduler", f"{cfg.sched_host}:{cfg.sched_port}")
+            self._launch_store = self._torchrun_store()  # kept: if this rank hosts that store, it must outlive the call
+            self._launch_store.set("trainguard/scheduler", f"{cfg.sched_host}:{cfg.sched_port}")
         return cfg
 
     def _find_scheduler(self, cfg: C.ClusterConfig) -> C.ClusterConfig:

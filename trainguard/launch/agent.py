@@ -4,14 +4,14 @@ It starts the workers (and, at node rank 0, the scheduler), waits on each with w
 thread (so exits are seen at once and in the order they happened), reports each death to
 the scheduler at once, restarts in place while the job-wide restart
 budget lasts, forwards SIGINT/SIGTERM (workers first, scheduler last) and prefixes every
-line a child prints. What to do about an exit is decided by the pure functions below;
-`Supervisor` carries the decisions out.
+line a child prints. A restarted worker is, when one is warm, a hot spare that already
+imported torch (spares.py) rather than a fresh process. What to do about an exit is decided
+by the pure functions in policy.py; `Supervisor` carries the decisions out.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
 import queue
 import signal
@@ -21,189 +21,20 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Mapping, Sequence, TextIO
 
-from ..config import (
-    ENABLE_RECOVERY_ENV, LOCAL_RANK_ENV, NODE_ID_ENV, RECOVERY_PATH_ENV, ROLE_ENV,
-    SCHED_HOST_ENV, SCHED_PORT_ENV, TORCHRUN_LOCAL_RANK, WORKER_NUM_ENV, Role,
-)
+from ..config import Role
 from ..errors import ConfigError
+from .policy import (
+    Action, Failure, LaunchSpec, decide_exit, exit_code_for, failure_summary, scheduler_env, signal_exit_code,
+    signal_name, spare_env, worker_env,
+)
+from .spares import SparePool, activate
 
 POLL_INTERVAL_S = 0.02
 TAIL_LINES = 40
-DEFAULT_GRACE_S = 10.0
-DEFAULT_SCHED_EXIT_WAIT_S = 15.0
 REPORT_TIMEOUT_S = 1.0  # a report delays the restart; keep it short
 PUMP_DRAIN_S = 0.25  # time to read the rest of a dead child's stderr
-EXIT_CONFIG = 2  # bad input; a scheduler exiting 2 rejected its config and is not restarted
-EXIT_JOB_FAILED = 3  # the scheduler ended the job as failed (root cause on its stderr): not restarted
-
-
-# --- decisions (pure) ------------------------------------------------------------
-
-
-class Action(enum.Enum):
-    FINISHED = "finished"  # exited 0
-    RESTART = "restart"
-    GIVE_UP = "give_up"
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    action: Action
-    reason: str
-
-
-def decide_exit(role: Role, returncode: int, restarts_used: int, max_restarts: int) -> Decision:
-    """What to do when a child exits; `returncode` < 0 means killed by signal -returncode."""
-    if returncode == 0:
-        return Decision(Action.FINISHED, "exited with code 0")
-    if role is Role.SCHEDULER and returncode == EXIT_CONFIG:
-        return Decision(Action.GIVE_UP, "the scheduler rejected its configuration; a restart cannot help")
-    if role is Role.SCHEDULER and returncode == EXIT_JOB_FAILED:
-        return Decision(Action.GIVE_UP, "the scheduler ended the job as failed")
-    if restarts_used < max_restarts:
-        return Decision(Action.RESTART, f"restart {restarts_used + 1}/{max_restarts}")
-    if max_restarts == 0:
-        return Decision(Action.GIVE_UP, "restarts are off (--max-restarts 0)")
-    return Decision(Action.GIVE_UP, f"all {max_restarts} restarts are used")
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def describe_exit(name: str, pid: int, returncode: int) -> str:
-    if returncode < 0:
-        return f"{name} (pid {pid}) was killed by signal {signal_name(-returncode)}"
-    return f"{name} (pid {pid}) exited with code {returncode}"
-
-
-def exit_code_for(returncode: int) -> int:
-    """The agent's exit code for a failed job: the child's own code if > 0, else 1."""
-    return returncode if returncode > 0 else 1
-
-
-def signal_exit_code(signum: int) -> int:
-    return 128 + signum
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """One failed child: the first one is the job's root cause."""
-
-    name: str
-    pid: int
-    returncode: int
-    tail: tuple[str, ...] = ()
-    role: Role = Role.WORKER
-
-    def describe(self) -> str:
-        return describe_exit(self.name, self.pid, self.returncode)
-
-
-def failure_summary(root: Failure, restarts_used: int) -> str:
-    """The one message printed when the job fails for good."""
-    if root.role is Role.SCHEDULER and root.returncode == EXIT_JOB_FAILED:
-        head = f"trainguard: the scheduler (pid {root.pid}) ended the job as failed; its last lines give the root cause"
-    elif restarts_used:
-        plural = "restart" if restarts_used == 1 else "restarts"
-        head = f"trainguard: giving up after {restarts_used} {plural}; root cause: {root.describe()}"
-    else:
-        head = f"trainguard: {root.describe()}"
-    if not root.tail:
-        return head
-    return "\n".join([head, f"last stderr lines of {root.name}:", *("    " + ln for ln in root.tail)])
-
-
-# --- what the children are started with -------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LaunchSpec:
-    """One agent's job description, validated; errors name the flag."""
-
-    script: str
-    script_args: tuple[str, ...] = ()
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    sched_host: str = "127.0.0.1"
-    sched_port: int = 0  # 0 = not chosen yet (the CLI picks a free one)
-    max_restarts: int = 3
-    recovery_path: Path | None = None
-    log_dir: Path | None = None
-    grace_s: float = DEFAULT_GRACE_S
-    sched_exit_wait_s: float = DEFAULT_SCHED_EXIT_WAIT_S
-
-    def __post_init__(self) -> None:
-        if self.nproc_per_node < 1:
-            raise ConfigError(f"--workers/--nproc-per-node must be >= 1, got {self.nproc_per_node}")
-        if self.nnodes < 1:
-            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if not 0 <= self.sched_port <= 65535:
-            raise ConfigError(f"--sched-port must be in 1..65535, got {self.sched_port}")
-        if self.grace_s <= 0 or self.sched_exit_wait_s < 0:
-            raise ConfigError("the grace period must be > 0 and the scheduler exit wait >= 0 seconds")
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
-
-    @property
-    def enable_recovery(self) -> bool:
-        return self.max_restarts > 0
-
-    @property
-    def hosts_scheduler(self) -> bool:
-        return self.node_rank == 0
-
-
-def set_env(env: dict[str, str], names: str | tuple[str, ...], value: str | None) -> None:
-    """Set the first name (or remove it if value is None) and drop its aliases, so they cannot conflict."""
-    names = (names,) if isinstance(names, str) else names
-    for alias in names[1:]:
-        env.pop(alias, None)
-    if value is None:
-        env.pop(names[0], None)
-    else:
-        env[names[0]] = value
-
-
-def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[str, str]:
-    env = dict(base)
-    set_env(env, ROLE_ENV, role.value)
-    set_env(env, SCHED_HOST_ENV, spec.sched_host)
-    set_env(env, SCHED_PORT_ENV, str(spec.sched_port))
-    set_env(env, WORKER_NUM_ENV, str(spec.world_size))
-    set_env(env, ENABLE_RECOVERY_ENV, "1" if spec.enable_recovery else "0")
-    set_env(env, RECOVERY_PATH_ENV, str(spec.recovery_path) if spec.recovery_path else None)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def scheduler_env(base: Mapping[str, str], spec: LaunchSpec) -> dict[str, str]:
-    env = _cluster_env(base, spec, Role.SCHEDULER)
-    set_env(env, NODE_ID_ENV, None)
-    set_env(env, LOCAL_RANK_ENV, None)
-    return env
-
-
-def worker_env(base: Mapping[str, str], spec: LaunchSpec, index: int) -> dict[str, str]:
-    env = _cluster_env(base, spec, Role.WORKER)
-    set_env(env, NODE_ID_ENV, str(spec.node_rank * spec.nproc_per_node + index))
-    set_env(env, LOCAL_RANK_ENV, str(index))
-    env[TORCHRUN_LOCAL_RANK] = str(index)  # for scripts that pick their device torchrun's way
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 # --- the children ------------------------------------------------------------------
@@ -279,6 +110,9 @@ class Supervisor:
             self.children.append(Child(
                 Role.WORKER, i, str(spec.node_rank * spec.nproc_per_node + i),
                 [sys.executable, "-u", spec.script, *spec.script_args], worker_env(base, spec, i)))
+        self.spares: SparePool | None = None
+        if spec.uses_hot_spares:
+            self.spares = SparePool(spec.script, spare_env(base, spec), spec.hot_spares, say=self._say)
         self.restarts_used = 0
         self.root: Failure | None = None
         self._signals: list[int] = []
@@ -297,16 +131,21 @@ class Supervisor:
     def run(self) -> int:
         previous = self._install_signal_handlers()
         try:
-            where = f"{self.spec.sched_host}:{self.spec.sched_port}"
-            self._say(f"{'starting' if self.spec.hosts_scheduler else 'using'} scheduler at {where}; "
-                      f"{self.spec.nproc_per_node} worker{'s' * (self.spec.nproc_per_node != 1)} on node rank {self.spec.node_rank} of {self.spec.nnodes}; "
-                      f"max restarts {self.spec.max_restarts}; recovery path {self.spec.recovery_path}")
-            if self.spec.log_dir is not None:
-                self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+            spec = self.spec
+            spares = spec.hot_spares if self.spares else 0
+            self._say(f"{'starting' if spec.hosts_scheduler else 'using'} scheduler at {spec.sched_host}:{spec.sched_port}; "
+                      f"{spec.nproc_per_node} worker{'s' * (spec.nproc_per_node != 1)} on node rank {spec.node_rank} of {spec.nnodes}; "
+                      f"max restarts {spec.max_restarts}; {spares} hot spare{'s' * (spares != 1)}; "
+                      f"recovery path {spec.recovery_path}")
+            if spec.log_dir is not None:
+                spec.log_dir.mkdir(parents=True, exist_ok=True)
             for child in self.children:  # the scheduler first
                 self._start(child)
+            if self.spares is not None:  # after the workers: they need the CPU first
+                self.spares.start()
             return self._loop()
         finally:
+            self._close_spares()
             self._kill(self.children)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -354,9 +193,8 @@ class Supervisor:
         if decision.action is Action.RESTART:
             self.restarts_used += 1
             child.restarts += 1
-            self._say(f"restarting {child.name} (restart {self.restarts_used}/{self.spec.max_restarts})")
             self._kill([child])  # leftovers of the dead process's group
-            self._start(child)
+            self._restart(child)
             return None
         self._say(f"stopping the job: {decision.reason}")
         self._stop(signal.SIGTERM)
@@ -365,6 +203,7 @@ class Supervisor:
 
     def _finish(self) -> None:
         """Every worker exited 0: let the scheduler exit by itself, then stop it."""
+        self._close_spares()
         sched = self.scheduler
         if sched is None or not sched.alive():
             return
@@ -379,12 +218,40 @@ class Supervisor:
     # --- processes -------------------------------------------------------------------
 
     def _start(self, child: Child) -> None:
+        """A fresh process for the child."""
+        popen = subprocess.Popen(child.cmd, env=child.env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True)  # signals reach it only via the agent
+        self._attach(child, popen)
+
+    def _restart(self, child: Child) -> None:
+        """A worker from a hot spare when one is alive, else (and always for the scheduler) a fresh process."""
+        budget = f"restart {self.restarts_used}/{self.spec.max_restarts}"
+        more = self.restarts_used < self.spec.max_restarts  # else no restart will need a successor
+        spare = self.spares.take(replace=more) if self.spares and child.role is Role.WORKER else None
+        if not more:
+            self._close_spares()
+        if spare is not None:
+            try:
+                activate(spare, child.env, self.spec.script_args)
+            except OSError as exc:
+                self._say(f"the hot spare (pid {spare.pid}) could not take over ({exc}); starting a fresh process")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(spare.pid, signal.SIGKILL)
+                spare.wait()
+            else:
+                self._say(f"restarting {child.name} from a hot spare ({budget})")
+                self._attach(child, spare)
+                return
+        self._say(f"restarting {child.name} ({budget})")
+        self._start(child)
+
+    def _attach(self, child: Child, popen: subprocess.Popen) -> None:
+        """Make `popen` the child's process: prefix pumps, tail, log file, exit watcher."""
         if self.spec.log_dir is not None and child.log is None:
             stem = "scheduler" if child.role is Role.SCHEDULER else f"worker_{child.node_id}"
             child.log = open(self.spec.log_dir / f"{stem}.log", "a", encoding="utf-8")
-        child.popen = subprocess.Popen(child.cmd, env=child.env, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       start_new_session=True)  # signals reach it only via the agent
+        child.popen = popen
         child.done = False
         with self._lock:
             child.tail.clear()
@@ -403,8 +270,13 @@ class Supervisor:
     def _await_exit(self, child: Child, popen: subprocess.Popen) -> None:
         self._exits.put((child, popen, popen.wait()))
 
+    def _close_spares(self) -> None:
+        if self.spares is not None:
+            self.spares.close()
+
     def _stop(self, signum: int) -> None:
         """Signal the workers, wait for them, then the scheduler; SIGKILL what outlives the grace period."""
+        self._close_spares()
         deadline = time.monotonic() + self.spec.grace_s
         self._signal(self.workers, signum)
         self._wait(self.workers, deadline)

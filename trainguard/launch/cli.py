@@ -22,7 +22,8 @@ from ..config import (
     check_recovery_path, from_env,
 )
 from ..errors import ConfigError
-from .agent import EXIT_CONFIG, LaunchSpec, Supervisor, set_env
+from .agent import Supervisor
+from .policy import EXIT_CONFIG, LaunchSpec, set_env
 
 DEFAULT_SCHED_HOST = "127.0.0.1"
 
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="scheduler port (default TG_SCHED_PORT, else a free port; required with --nnodes > 1)")
     run.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=3,
                      help="restarts allowed for the whole job; 0 turns recovery off (default 3)")
+    run.add_argument("--hot-spares", "--hot_spares", dest="hot_spares", type=int,
+                     help="warm processes (torch already imported) kept to replace a dead worker in well "
+                          "under a second; 0 turns them off (default 1 with restarts on, else 0)")
     run.add_argument("--recovery-path", dest="recovery_path", type=Path,
                      help="directory for cluster.db and events (default TG_RECOVERY_PATH, else a new temp dir)")
     run.add_argument("--log-dir", "--log_dir", dest="log_dir", type=Path,
@@ -94,6 +98,12 @@ def _run(args: argparse.Namespace) -> int:
     return Supervisor(resolve_run(args, os.environ)).run()
 
 
+def _hot_spares(args: argparse.Namespace) -> int:
+    if args.hot_spares is not None:
+        return args.hot_spares
+    return 1 if args.max_restarts > 0 else 0
+
+
 def _first(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
     return next(((n, env[n]) for n in names if env.get(n, "").strip()), None)
 
@@ -102,7 +112,7 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
     """Flags (then env) → a validated LaunchSpec with the port and recovery path chosen."""
     spec = LaunchSpec(script=args.script, script_args=tuple(args.script_args), nproc_per_node=args.workers,
                       nnodes=args.nnodes, node_rank=args.node_rank, sched_port=args.sched_port or 0,
-                      max_restarts=args.max_restarts)
+                      max_restarts=args.max_restarts, hot_spares=_hot_spares(args))
     if not Path(args.script).is_file():
         raise ConfigError(f"script {args.script!r} not found")
     host_env, port_env = _first(env, SCHED_HOST_ENV), _first(env, SCHED_PORT_ENV)

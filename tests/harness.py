@@ -1,0 +1,126 @@
+"""Running real trainguard jobs in tests and comparing their final states bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import trainguard as tg
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "tests" / "jobs" / "dp_job.py"
+FAST = {"TG_HEARTBEAT_INTERVAL": "0.2", "TG_HEARTBEAT_TIMEOUT": "2", "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1", "TG_FAULT": ""}
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **FAST, **extra}
+
+
+def job_args(out: Path, *, level: str = "low", epochs: int = 2, extra: tuple = ()) -> list[str]:
+    return [str(JOB), "--out", str(out / "final"), "--level", level, "--epochs", str(epochs), *extra]
+
+
+def launch(out: Path, workers: int, *, faults: str = "", level: str = "low", epochs: int = 2, extra: tuple = (),
+           max_restarts: int = 3, timeout: float = 150, spares: int | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--max-restarts", str(max_restarts),
+           "--recovery-path", str(out / "recovery")]
+    if spares is not None:
+        cmd += ["--hot-spares", str(spares)]
+    cmd += job_args(out, level=level, epochs=epochs, extra=extra)
+    proc = subprocess.run(cmd, env=env(TG_FAULT=faults), capture_output=True, text=True, timeout=timeout)
+    (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return proc
+
+
+def finals(out: Path, world: int) -> list[dict]:
+    return [tg.load_state(out / "final" / f"rank_{r}.safetensors") for r in range(world)]
+
+
+def assert_identical(a, b, where: str = "") -> None:
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys differ"
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{where}: tensors differ"
+    elif hasattr(a, "shape"):  # numpy
+        assert (a == b).all(), f"{where}: arrays differ"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def events(out: Path) -> list[dict]:
+    path = out / "recovery" / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate, timeout: float, what: str, period: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(period)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class HandJob:
+    """A scheduler and N workers started by hand with TG_* env, as a user would in a shell."""
+
+    def __init__(self, out: Path, workers: int, port: int, *, extra: tuple = (), level: str = "low", epochs: int = 2):
+        self.out, self.workers, self.port = out, workers, port
+        self.args = job_args(out, level=level, epochs=epochs, extra=extra)
+        self.procs: dict[str, subprocess.Popen] = {}
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    def _env(self, role: str, node: str | None) -> dict[str, str]:
+        e = env(TG_ROLE=role, TG_SCHED_HOST="127.0.0.1", TG_SCHED_PORT=str(self.port),
+                TG_WORKER_NUM=str(self.workers), TG_ENABLE_RECOVERY="1", TG_RECOVERY_PATH=str(self.out / "recovery"))
+        if node is not None:
+            e["TG_NODE_ID"] = node
+        return e
+
+    def start(self, name: str) -> subprocess.Popen:
+        role, node = ("scheduler", None) if name == "sched" else ("worker", name)
+        log = open(self.out / "logs" / f"{name}.log", "a")
+        proc = subprocess.Popen([sys.executable, "-u", *self.args], env=self._env(role, node), stdout=log,
+                                stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start_all(self) -> None:
+        self.start("sched")
+        for i in range(self.workers):
+            self.start(str(i))
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+        self.procs[name].wait(10)
+
+    def wait(self, timeout: float = 120) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        return {n: p.wait(max(1, deadline - time.monotonic())) for n, p in self.procs.items()}
+
+    def log(self, name: str) -> str:
+        return (self.out / "logs" / f"{name}.log").read_text()
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

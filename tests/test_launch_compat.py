@@ -1,0 +1,131 @@
+"""The same unchanged script under every launcher users already have: torchrun, mpirun, and by hand.
+
+examples/allgather.py gathers each rank's id; every rank must print [[0.0], [1.0]].
+Under torchrun and mpirun there is no scheduler process: rank 0 hosts it in-process. torchrun
+publishes its port through torchrun's own store; mpirun uses TG_SCHED_PORT (default 8118).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = str(REPO / "examples" / "allgather.py")
+GATHER = "[[0.0], [1.0]]"
+CLUSTER_VARS = ("TG_", "MS_", "OMPI_", "PMI", "PMIX_", "TORCHELASTIC_", "SLURM_")
+TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(CLUSTER_VARS) and k not in TORCHRUN_VARS}
+    bindir = str(Path(sys.executable).parent)
+    env.update(PATH=bindir + os.pathsep + env.get("PATH", ""), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TG_CONNECT_TIMEOUT="30", TG_JOIN_TIMEOUT="30")
+    env.update(extra)
+    return env
+
+
+def gathered_lines(out: str) -> list[str]:
+    """The printed gathers; ranks that share one stdout may interleave a print and its newline."""
+    return re.findall(r"\[\[.*?\]\]", out)
+
+
+def torchrun_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "torchrun"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_standalone() -> None:
+    proc = subprocess.run([*torchrun_cmd(), "--standalone", "--nproc-per-node", "2", SCRIPT], env=clean_env(),
+                          capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert gathered_lines(proc.stdout) == [GATHER, GATHER], proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_static_rendezvous() -> None:
+    """torchrun's default (static) rendezvous on a chosen master port."""
+    cmd = [*torchrun_cmd(), "--nnodes", "1", "--nproc-per-node", "2", "--master-port", str(free_port()), SCRIPT]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert gathered_lines(proc.stdout) == [GATHER, GATHER], proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_style_env_without_agent_store() -> None:
+    """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand (no torchrun agent): rank 0 must host the
+    store that publishes the scheduler's port, and keep it alive until the others have read it."""
+    base = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, SCRIPT], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (1, 0)]
+    try:
+        outs = [p.communicate(timeout=80)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+        assert gathered_lines(out) == [GATHER], out
+
+
+@pytest.mark.timeout(90)
+def test_mpirun() -> None:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun is not on PATH (install OpenMPI, e.g. `apt-get install -y openmpi-bin`)")
+    env = clean_env(TG_SCHED_PORT=str(free_port()))
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "TG_SCHED_PORT", "-x", "PATH",
+           sys.executable, SCRIPT]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert gathered_lines(proc.stdout) == [GATHER, GATHER], proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("names", ["TG", "MS"])
+def test_hand_launch_scheduler_started_last(names: str) -> None:
+    """Workers started first wait for the scheduler; TG_* and MindSpore's MS_* names both work."""
+    port = str(free_port())
+    if names == "TG":
+        common = dict(TG_SCHED_HOST="127.0.0.1", TG_SCHED_PORT=port, TG_WORKER_NUM="2")
+        worker = lambda i: dict(TG_ROLE="worker", TG_NODE_ID=str(i))  # noqa: E731
+        sched = dict(TG_ROLE="scheduler")
+    else:
+        common = dict(MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=port, MS_WORKER_NUM="2")
+        worker = lambda i: dict(MS_ROLE="MS_WORKER", MS_NODE_ID=str(i))  # noqa: E731
+        sched = dict(MS_ROLE="MS_SCHED")
+    procs = {f"worker {i}": subprocess.Popen([sys.executable, SCRIPT], env=clean_env(**common, **worker(i)),
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in (0, 1)}
+    try:
+        time.sleep(1.0)
+        assert all(p.poll() is None for p in procs.values()), "a worker gave up before the scheduler started"
+        procs["scheduler"] = subprocess.Popen([sys.executable, SCRIPT], env=clean_env(**common, **sched),
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        outs = {name: p.communicate(timeout=80)[0] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name}: {outs[name]}"
+    for i in (0, 1):
+        assert gathered_lines(outs[f"worker {i}"]) == [GATHER], outs[f"worker {i}"]
+    assert gathered_lines(outs["scheduler"]) == [], outs["scheduler"]

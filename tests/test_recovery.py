@@ -1,0 +1,165 @@
+"""Disaster recovery with real processes: every case must end bit-identical to a run that never failed."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from harness import HandJob, assert_identical, events, finals, launch, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    cache: dict[tuple, list[dict]] = {}
+
+    def get(workers: int, level: str = "low", epochs: int = 2) -> list[dict]:
+        key = (workers, level, epochs)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"baseline-{workers}-{level}-{epochs}")
+            proc = launch(out, workers, level=level, epochs=epochs, max_restarts=0)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            cache[key] = finals(out, workers)
+        return cache[key]
+
+    return get
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check(out, workers, expected, proc=None):
+    if proc is not None:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    got = finals(out, workers)
+    for rank in range(workers):
+        assert_identical(got[rank], expected[rank], f"rank {rank}")
+
+
+def recoveries(out) -> list[dict]:
+    return [e for e in events(out) if e["event"] == "restore_step" and not e.get("fresh")]
+
+
+# --- one worker killed --------------------------------------------------------------------
+
+
+def test_kill_one_of_two_workers_low_level(tmp_path, baseline):
+    proc = launch(tmp_path, 2, faults="1:10:kill")
+    check(tmp_path, 2, baseline(2), proc)
+    ev = events(tmp_path)
+    assert any(e["event"] == "failure_detected" and e["node"] == "1" for e in ev)
+    (rec,) = recoveries(tmp_path)
+    assert rec["to_step"] == 10 and rec["from_step"] == 10  # no step lost
+    assert any(e["event"] == "restored" and e["rank"] == 1 and e["source"] == "peer" for e in ev)
+    assert "resumed at step 10" in proc.stdout
+
+
+def test_kill_one_of_four_workers_high_level(tmp_path, baseline):
+    proc = launch(tmp_path, 4, faults="2:9:kill", level="high", epochs=3)
+    check(tmp_path, 4, baseline(4, "high", 3), proc)
+    assert len(recoveries(tmp_path)) == 1
+
+
+def test_two_workers_killed_at_once(tmp_path, baseline):
+    proc = launch(tmp_path, 4, faults="1:6:kill,2:6:kill", level="high", epochs=3)
+    check(tmp_path, 4, baseline(4, "high", 3), proc)
+
+
+def test_one_worker_killed_twice(tmp_path, baseline):
+    proc = launch(tmp_path, 2, faults="1:5:kill,1:17:kill:2")
+    check(tmp_path, 2, baseline(2), proc)
+    assert len(recoveries(tmp_path)) == 2
+
+
+def test_sigstop_is_detected_by_heartbeat_and_replaced(tmp_path, baseline):
+    proc = launch(tmp_path, 2, faults="1:8:stop")
+    check(tmp_path, 2, baseline(2), proc)
+    assert any(e["event"] == "failure_detected" and e["kind"] == "heartbeat" for e in events(tmp_path))
+
+
+# --- the scheduler ------------------------------------------------------------------------------
+
+
+def test_scheduler_killed_and_restarted_no_rollback(tmp_path, baseline):
+    proc = launch(tmp_path, 2, faults="0:10:sched")
+    check(tmp_path, 2, baseline(2), proc)
+    assert "restarting scheduler" in proc.stdout + proc.stderr
+    assert recoveries(tmp_path) == []  # nobody rolled back
+    assert not any(e["event"] == "failure_detected" for e in events(tmp_path))
+
+
+def test_scheduler_down_then_worker_dies(tmp_path, baseline):
+    job = HandJob(tmp_path, 2, free_port(), extra=("--step-sleep", "0.05"))
+    try:
+        job.start_all()
+        wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 60, "training to start")
+        time.sleep(0.8)  # some steps at 50 ms each
+        job.kill("sched")
+        job.kill("1")
+        job.start("sched")
+        job.start("1")
+        codes = job.wait(150)
+        assert codes == {"sched": 0, "0": 0, "1": 0}, {n: job.log(n)[-2000:] for n in codes}
+        check(tmp_path, 2, baseline(2))
+        assert len(recoveries(tmp_path)) == 1
+    finally:
+        job.close()
+
+
+# --- losing in-memory state: back to disk ------------------------------------------------------
+
+
+def test_every_process_killed_then_restarted_resumes_from_disk(tmp_path, baseline):
+    port = free_port()
+    ckpt = tmp_path / "ckpt"
+    job = HandJob(tmp_path, 2, port, extra=("--ckpt", str(ckpt), "--save-steps", "4", "--step-sleep", "0.1"))
+    try:
+        job.start_all()
+        wait_for(lambda: (ckpt / "rank_1").exists() and len(list((ckpt / "rank_1").glob("job-*"))) >= 2, 90,
+                 "two checkpoints on rank 1")
+        for name in ("sched", "0", "1"):
+            job.kill(name)
+        job.start_all()
+        codes = job.wait(150)
+        assert codes == {"sched": 0, "0": 0, "1": 0}, {n: job.log(n)[-2000:] for n in codes}
+        check(tmp_path, 2, baseline(2))
+        sources = [e["source"] for e in events(tmp_path) if e["event"] == "restored"]
+        assert "disk" in sources
+    finally:
+        job.close()
+
+
+def test_worker_killed_during_recovery(tmp_path, baseline):
+    """Rank 1 dies; while the cluster regroups, survivor rank 2 is killed too."""
+    import os
+    import signal
+
+    proc = None
+    try:
+        import subprocess
+        import sys
+
+        from harness import JOB, env
+
+        cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--max-restarts", "4", "--recovery-path",
+               str(tmp_path / "recovery"), str(JOB), "--out", str(tmp_path / "final"), "--epochs", "2",
+               "--step-sleep", "0.02"]
+        proc = subprocess.Popen(cmd, env=env(TG_FAULT="1:6:kill"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        failure = wait_for(lambda: next((e for e in events(tmp_path) if e["event"] == "failure_detected"), None), 120,
+                           "the first failure")
+        victim = next(e for e in events(tmp_path) if e["event"] == "registered" and e["node"] == "2")
+        os.kill(victim["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out[-4000:]
+        assert failure["node"] == "1"
+        check(tmp_path, 3, baseline(3))
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()

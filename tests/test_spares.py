@@ -1,0 +1,270 @@
+"""Hot spares: the spare process on its own, the agent's SparePool, and a Supervisor restarting a
+worker from a spare. Real processes; the scheduler child is a dummy, as in test_launcher.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from trainguard.launch import cli
+from trainguard.launch.policy import LaunchSpec, spare_env
+from trainguard.launch.spare import top_level_imports
+from trainguard.launch.spares import SparePool, activate
+
+REPO = Path(__file__).resolve().parents[1]
+SPARE = [sys.executable, "-u", "-m", "trainguard.launch.spare"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), **extra}
+
+
+def _script(tmp_path: Path, body: str, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _spare_pids(script: Path) -> list[int]:
+    """Live (not zombie) spare processes for this script, found in /proc."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"trainguard.launch.spare" in cmd and str(script).encode() in cmd and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def _order(env: dict[str, str], argv: list[str]) -> str:
+    return json.dumps({"env": env, "argv": argv}) + "\n"
+
+
+# --- the spare process ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(5)
+def test_top_level_imports() -> None:
+    source = textwrap.dedent("""
+        import os, torch.nn as nn
+        from sklearn.datasets import load_digits
+        from . import sibling
+        from x import *
+        def f():
+            import inside_a_function
+        if True:
+            import not_top_level
+    """)
+    assert top_level_imports(source) == [("os", ()), ("torch.nn", ()), ("sklearn.datasets", ("load_digits",)),
+                                         ("x", ())]
+
+
+@pytest.mark.timeout(20)
+def test_spare_runs_the_script_like_python_does(tmp_path: Path) -> None:
+    ok = _script(tmp_path, """
+        import os, sys
+        import json
+        print(sys.argv[1:], os.environ.get("TG_NODE_ID"), os.environ.get("LEFT_OVER"), __name__,
+              os.path.basename(__file__), sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
+              "torch" in sys.modules, sys.stdin.read() == "")
+        sys.exit(7)
+    """, "ok.py")
+    bad = _script(tmp_path, "import json\n\ndef f():\n    raise ValueError('bad batch')\n\nf()\n", "bad.py")
+    # all three at once: each pays for importing torch
+    procs = [subprocess.Popen([*SPARE, str(path)], cwd=tmp_path, env=_env(LEFT_OVER="spare's own env"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for path in (ok, bad, ok)]
+    orders = [_order({"TG_NODE_ID": "5", "PATH": os.environ["PATH"]}, ["--lr", "0.1"]),
+              _order({"PATH": os.environ["PATH"]}, []), ""]  # the last one is dismissed: EOF
+    results = [p.communicate(order, timeout=15) for p, order in zip(procs, orders)]
+    (out, err), (_, bad_err), (dismissed_out, dismissed_err) = results
+    assert procs[0].returncode == 7, err
+    assert out == "['--lr', '0.1'] 5 None __main__ ok.py True True True\n"
+    assert procs[1].returncode == 1
+    assert bad_err.startswith("Traceback (most recent call last):\n") and "ValueError: bad batch" in bad_err
+    assert "runpy" not in bad_err and "spare.py" not in bad_err  # only the script's own frames
+    assert bad_err == subprocess.run([sys.executable, str(bad)], capture_output=True, text=True).stderr
+    assert procs[2].returncode == 0 and dismissed_out == dismissed_err == ""
+
+
+# --- the pool ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(20)
+def test_pool_take_replace_close(tmp_path: Path) -> None:
+    script = _script(tmp_path, "import os, sys\nprint('activated', os.environ['TG_NODE_ID'], sys.argv[1:])\n")
+    said: list[str] = []
+    pool = SparePool(str(script), _env(), 1, say=said.append)
+    seen: set[int] = set()
+    try:
+        pool.start()
+        assert pool.wait_ready(15), said
+        first = pool.idle_pids
+        seen.update(first)
+        spare = pool.take()
+        assert spare is not None and [spare.pid] == first
+        deadline = time.monotonic() + 5
+        while not pool.idle_pids and time.monotonic() < deadline:  # its successor starts at once
+            time.sleep(0.01)
+        assert pool.idle_pids and pool.idle_pids != first
+        seen.update(pool.idle_pids)
+        activate(spare, {**_env(), "TG_NODE_ID": "3"}, ["--x"])
+        assert spare.stdout is not None and spare.wait(10) == 0
+        assert spare.stdout.read() == b"activated 3 ['--x']\n"
+        assert any(m.startswith(f"hot spare ready (pid {first[0]}") for m in said)
+    finally:
+        pool.close()
+    assert pool.take() is None
+    assert not _spare_pids(script)
+    assert all(not Path(f"/proc/{pid}").exists() for pid in seen)  # reaped, not zombies
+
+
+@pytest.mark.timeout(20)
+def test_pool_replaces_idle_deaths_then_disables(tmp_path: Path) -> None:
+    script = _script(tmp_path, "print('never runs')\n")
+    said: list[str] = []
+    pool = SparePool(str(script), _env(), 1, say=said.append, max_idle_deaths=3)
+    try:
+        pool.start()
+        killed: list[int] = []
+        for _ in range(3):
+            deadline = time.monotonic() + 5
+            while not (set(pool.idle_pids) - set(killed)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            pid = pool.idle_pids[0]
+            killed.append(pid)
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not pool.disabled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.disabled, said
+        assert pool.take() is None
+    finally:
+        pool.close()
+    assert sum("was killed by signal SIGKILL; starting another" in m for m in said) == 2, said
+    disabled = [m for m in said if m.startswith("hot spares disabled: ")]
+    assert len(disabled) == 1 and "3 died in a row" in disabled[0] and "fresh process" in disabled[0]
+    assert not _spare_pids(script)
+
+
+# --- the agent -------------------------------------------------------------------------------
+
+DRIVER = """
+import json, sys
+from pathlib import Path
+from trainguard.launch.agent import LaunchSpec, Supervisor
+kw = json.loads(sys.argv[1])
+sched = kw.pop("scheduler_cmd")
+kw["script_args"] = tuple(kw.get("script_args", ()))
+kw["recovery_path"] = Path(kw["recovery_path"])
+sys.exit(Supervisor(LaunchSpec(**kw), scheduler_cmd=sched).run())
+"""
+SLEEPY_SCHEDULER = "import time; print('scheduler up', flush=True); time.sleep(60)"
+
+
+def _agent(tmp_path: Path, script: Path, *, merge: bool = False, **kw: object) -> subprocess.Popen:
+    spec = {"script": str(script), "nproc_per_node": 2, "sched_port": 1, "max_restarts": 2, "hot_spares": 1,
+            "recovery_path": str(tmp_path / "rec"), "sched_exit_wait_s": 0.2, "grace_s": 5.0,
+            "scheduler_cmd": [sys.executable, "-c", SLEEPY_SCHEDULER], **kw}
+    return subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(spec)], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.timeout(20)
+def test_supervisor_restarts_a_worker_from_a_hot_spare(tmp_path: Path) -> None:
+    script = _script(tmp_path, f"""
+        import os, pathlib, signal, sys, time
+        node = os.environ["TG_NODE_ID"]
+        print("up", node, os.environ["TG_LOCAL_RANK"], os.environ["LOCAL_RANK"], sys.argv[1:], __name__, flush=True)
+        mark = pathlib.Path({str(tmp_path)!r}, "died-" + node)
+        if node == "1" and not mark.exists():
+            mark.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        print("done", node, flush=True)
+    """)
+    proc = _agent(tmp_path, script, script_args=["--lr", "0.1"])
+    out, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err
+    assert "1 hot spare;" in err
+    assert "[agent] worker 1 (pid " in err and "was killed by signal SIGKILL" in err
+    assert "[agent] restarting worker 1 from a hot spare (restart 1/2)" in err
+    assert out.count("[worker 1] up 1 1 1 ['--lr', '0.1'] __main__") == 2  # the first one and the spare
+    assert out.count("[worker 1] done 1") == 1 and out.count("[worker 0] done 0") == 1
+    assert not _spare_pids(script)  # no spare outlives the agent
+
+
+def _time_replacement(tmp_path: Path, hot_spares: int) -> float:
+    """Seconds from worker 0's SIGKILL to the first line its replacement prints (after `import torch`)."""
+    run = tmp_path / f"spares{hot_spares}"
+    run.mkdir()
+    script = _script(run, f"""
+        import os, pathlib, signal, time
+        import torch
+        print("up", repr(time.time()), flush=True)
+        run = pathlib.Path({str(run)!r})
+        if not (run / "killed").exists():
+            deadline = time.monotonic() + 15
+            while not (run / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            (run / "killed").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = _agent(run, script, merge=True, nproc_per_node=1, max_restarts=1, hot_spares=hot_spares)
+    assert proc.stdout is not None
+    ups: list[float] = []
+    ready = hot_spares == 0
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        ready = ready or line.startswith("[agent] hot spare ready")
+        if line.startswith("[worker 0] up "):
+            ups.append(float(line.split()[-1]))
+        if ups and ready and not (run / "go").exists():
+            (run / "go").touch()  # the spare (if any) is warm: kill now
+    assert proc.wait(timeout=10) == 0, "".join(lines)
+    assert len(ups) == 2, "".join(lines)
+    return ups[1] - float((run / "killed").read_text())
+
+
+@pytest.mark.timeout(40)
+def test_measure_replacement_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A measurement: prints both times; asserts only that the spare is the faster way back."""
+    with_spare = _time_replacement(tmp_path, 1)
+    fresh = _time_replacement(tmp_path, 0)
+    with capsys.disabled():
+        print(f"\n[measure] kill -> replacement's first line: hot spare {with_spare * 1000:.0f} ms, "
+              f"fresh process {fresh * 1000:.0f} ms")
+    assert with_spare < fresh
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(5)
+def test_hot_spares_flag_and_env(tmp_path: Path) -> None:
+    script = _script(tmp_path, "pass\n")
+    parse = cli.build_parser().parse_args
+    env = {"TG_RECOVERY_PATH": str(tmp_path / "rec")}
+    assert cli.resolve_run(parse(["run", str(script)]), env).hot_spares == 1
+    assert cli.resolve_run(parse(["run", "--max-restarts", "0", str(script)]), env).hot_spares == 0
+    assert cli.resolve_run(parse(["run", "--hot-spares", "0", str(script)]), env).hot_spares == 0
+    assert cli.resolve_run(parse(["run", "--hot-spares", "2", str(script)]), env).hot_spares == 2
+    assert cli.main(["run", "--hot-spares", "-1", str(script)]) == 2
+    spec = LaunchSpec(script="x.py", nproc_per_node=2, sched_port=9, recovery_path=Path("/r"), hot_spares=1)
+    env = spare_env({"TG_NODE_ID": "4", "MS_NODE_ID": "4", "LOCAL_RANK": "1", "TG_LOCAL_RANK": "1"}, spec)
+    assert not {"TG_NODE_ID", "MS_NODE_ID", "TG_LOCAL_RANK", "LOCAL_RANK"} & set(env)
+    assert env["TG_ROLE"] == "worker" and env["OMP_NUM_THREADS"] == "1" and env["TG_WORKER_NUM"] == "2"

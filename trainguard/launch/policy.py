@@ -1,0 +1,208 @@
+"""What the agent decides and what it starts its children with: pure functions and data.
+
+`decide_exit` maps one child's exit to an `Action`; `failure_summary` words the job's root
+cause; `LaunchSpec` is one agent's validated job description; the `*_env` builders give each
+child (scheduler, worker, hot spare) its environment. `Supervisor` (agent.py) carries these out.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from ..config import (
+    ENABLE_RECOVERY_ENV, LOCAL_RANK_ENV, NODE_ID_ENV, RECOVERY_PATH_ENV, ROLE_ENV,
+    SCHED_HOST_ENV, SCHED_PORT_ENV, TORCHRUN_LOCAL_RANK, WORKER_NUM_ENV, Role,
+)
+from ..errors import ConfigError
+
+DEFAULT_GRACE_S = 10.0
+DEFAULT_SCHED_EXIT_WAIT_S = 15.0
+EXIT_CONFIG = 2  # bad input; a scheduler exiting 2 rejected its config and is not restarted
+EXIT_JOB_FAILED = 3  # the scheduler ended the job as failed (root cause on its stderr): not restarted
+
+
+# --- decisions (pure) ------------------------------------------------------------
+
+
+class Action(enum.Enum):
+    FINISHED = "finished"  # exited 0
+    RESTART = "restart"
+    GIVE_UP = "give_up"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+def decide_exit(role: Role, returncode: int, restarts_used: int, max_restarts: int) -> Decision:
+    """What to do when a child exits; `returncode` < 0 means killed by signal -returncode."""
+    if returncode == 0:
+        return Decision(Action.FINISHED, "exited with code 0")
+    if role is Role.SCHEDULER and returncode == EXIT_CONFIG:
+        return Decision(Action.GIVE_UP, "the scheduler rejected its configuration; a restart cannot help")
+    if role is Role.SCHEDULER and returncode == EXIT_JOB_FAILED:
+        return Decision(Action.GIVE_UP, "the scheduler ended the job as failed")
+    if restarts_used < max_restarts:
+        return Decision(Action.RESTART, f"restart {restarts_used + 1}/{max_restarts}")
+    if max_restarts == 0:
+        return Decision(Action.GIVE_UP, "restarts are off (--max-restarts 0)")
+    return Decision(Action.GIVE_UP, f"all {max_restarts} restarts are used")
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(name: str, pid: int, returncode: int) -> str:
+    if returncode < 0:
+        return f"{name} (pid {pid}) was killed by signal {signal_name(-returncode)}"
+    return f"{name} (pid {pid}) exited with code {returncode}"
+
+
+def exit_code_for(returncode: int) -> int:
+    """The agent's exit code for a failed job: the child's own code if > 0, else 1."""
+    return returncode if returncode > 0 else 1
+
+
+def signal_exit_code(signum: int) -> int:
+    return 128 + signum
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One failed child: the first one is the job's root cause."""
+
+    name: str
+    pid: int
+    returncode: int
+    tail: tuple[str, ...] = ()
+    role: Role = Role.WORKER
+
+    def describe(self) -> str:
+        return describe_exit(self.name, self.pid, self.returncode)
+
+
+def failure_summary(root: Failure, restarts_used: int) -> str:
+    """The one message printed when the job fails for good."""
+    if root.role is Role.SCHEDULER and root.returncode == EXIT_JOB_FAILED:
+        head = f"trainguard: the scheduler (pid {root.pid}) ended the job as failed; its last lines give the root cause"
+    elif restarts_used:
+        plural = "restart" if restarts_used == 1 else "restarts"
+        head = f"trainguard: giving up after {restarts_used} {plural}; root cause: {root.describe()}"
+    else:
+        head = f"trainguard: {root.describe()}"
+    if not root.tail:
+        return head
+    return "\n".join([head, f"last stderr lines of {root.name}:", *("    " + ln for ln in root.tail)])
+
+
+# --- what the children are started with -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchSpec:
+    """One agent's job description, validated; errors name the flag."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    sched_host: str = "127.0.0.1"
+    sched_port: int = 0  # 0 = not chosen yet (the CLI picks a free one)
+    max_restarts: int = 3
+    hot_spares: int = 0  # warm processes kept to replace dead workers (the CLI defaults to 1 with restarts on)
+    recovery_path: Path | None = None
+    log_dir: Path | None = None
+    grace_s: float = DEFAULT_GRACE_S
+    sched_exit_wait_s: float = DEFAULT_SCHED_EXIT_WAIT_S
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"--workers/--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.hot_spares < 0:
+            raise ConfigError(f"--hot-spares must be >= 0 (0 turns them off), got {self.hot_spares}")
+        if not 0 <= self.sched_port <= 65535:
+            raise ConfigError(f"--sched-port must be in 1..65535, got {self.sched_port}")
+        if self.grace_s <= 0 or self.sched_exit_wait_s < 0:
+            raise ConfigError("the grace period must be > 0 and the scheduler exit wait >= 0 seconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def enable_recovery(self) -> bool:
+        return self.max_restarts > 0
+
+    @property
+    def uses_hot_spares(self) -> bool:
+        """Spares only replace workers, so without restarts they would never be used."""
+        return self.hot_spares > 0 and self.max_restarts > 0
+
+    @property
+    def hosts_scheduler(self) -> bool:
+        return self.node_rank == 0
+
+
+def set_env(env: dict[str, str], names: str | tuple[str, ...], value: str | None) -> None:
+    """Set the first name (or remove it if value is None) and drop its aliases, so they cannot conflict."""
+    names = (names,) if isinstance(names, str) else names
+    for alias in names[1:]:
+        env.pop(alias, None)
+    if value is None:
+        env.pop(names[0], None)
+    else:
+        env[names[0]] = value
+
+
+def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[str, str]:
+    env = dict(base)
+    set_env(env, ROLE_ENV, role.value)
+    set_env(env, SCHED_HOST_ENV, spec.sched_host)
+    set_env(env, SCHED_PORT_ENV, str(spec.sched_port))
+    set_env(env, WORKER_NUM_ENV, str(spec.world_size))
+    set_env(env, ENABLE_RECOVERY_ENV, "1" if spec.enable_recovery else "0")
+    set_env(env, RECOVERY_PATH_ENV, str(spec.recovery_path) if spec.recovery_path else None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def scheduler_env(base: Mapping[str, str], spec: LaunchSpec) -> dict[str, str]:
+    env = _cluster_env(base, spec, Role.SCHEDULER)
+    set_env(env, NODE_ID_ENV, None)
+    set_env(env, LOCAL_RANK_ENV, None)
+    return env
+
+
+def worker_env(base: Mapping[str, str], spec: LaunchSpec, index: int) -> dict[str, str]:
+    env = _cluster_env(base, spec, Role.WORKER)
+    set_env(env, NODE_ID_ENV, str(spec.node_rank * spec.nproc_per_node + index))
+    set_env(env, LOCAL_RANK_ENV, str(index))
+    env[TORCHRUN_LOCAL_RANK] = str(index)  # for scripts that pick their device torchrun's way
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def spare_env(base: Mapping[str, str], spec: LaunchSpec) -> dict[str, str]:
+    """A hot spare's env: this host's worker env without a node id or local rank (it gets them on activation)."""
+    env = worker_env(base, spec, 0)
+    set_env(env, NODE_ID_ENV, None)
+    set_env(env, LOCAL_RANK_ENV, None)
+    env.pop(TORCHRUN_LOCAL_RANK, None)
+    return env

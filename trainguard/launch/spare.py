@@ -1,0 +1,140 @@
+"""A hot spare: a process that has paid for its imports and waits to become a worker.
+
+    python -u -m trainguard.launch.spare [--ready-fd FD] SCRIPT
+
+At start it imports torch, torch.distributed and trainguard's worker side, then preloads the
+script's own top-level imports (found with `ast`; a failed preload is remembered, never fatal).
+It then writes one byte to FD (if given) and blocks on stdin. EOF or an empty line: the agent
+dismissed it, exit 0. Otherwise the line is `{"env": {...}, "argv": [...]}`: the spare takes that
+environment and those arguments and runs SCRIPT as `python SCRIPT ARGS...` would, exit codes
+and tracebacks included.
+
+Modules that live in the script's own directory are not preloaded: they are the user's, and
+may read their rank from the environment at import, which the spare does not have yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+from ..config import LOG_LEVEL_ENV
+
+WORKER_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "trainguard.runtime",
+                  "trainguard.train.model", "trainguard.train.session", "trainguard.checkpoint.manager")
+EXIT_BAD_ORDER = 2
+
+
+def top_level_imports(source: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(module, names) for each `import x.y` / `from x.y import a, b` (absolute) in the module body."""
+    found: list[tuple[str, tuple[str, ...]]] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            found += [(alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, tuple(a.name for a in node.names if a.name != "*")))
+    return found
+
+
+def _is_local(module: str, script_dir: str) -> bool:
+    try:
+        spec = importlib.util.find_spec(module.partition(".")[0])
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    places = [os.path.dirname(spec.origin)] if spec.origin and spec.has_location else []
+    places += [os.path.dirname(p) for p in spec.submodule_search_locations or ()]
+    return any(os.path.realpath(p) == script_dir for p in places)
+
+
+def preload(script: str, script_dir: str) -> tuple[list[str], list[str]]:
+    """Import what a worker will need; return (loaded, failures), failures as "module: error"."""
+    loaded: list[str] = []
+    failures: list[str] = []
+    try:
+        with open(script, encoding="utf-8") as f:
+            wanted = [(m, ()) for m in WORKER_MODULES] + top_level_imports(f.read())
+    except (OSError, SyntaxError, ValueError) as exc:  # the script reports this itself when it runs
+        failures.append(f"{script}: {exc!r}")
+        wanted = [(m, ()) for m in WORKER_MODULES]
+    for module, names in wanted:
+        if module not in WORKER_MODULES and _is_local(module, script_dir):
+            continue
+        try:
+            mod = importlib.import_module(module)
+            for name in names:  # `from x import y` may name a submodule or a lazy attribute
+                if not hasattr(mod, name):
+                    importlib.import_module(f"{module}.{name}")
+            loaded.append(module)
+        except Exception as exc:  # the script's own import will raise it again, in its own words
+            failures.append(f"{module}: {exc!r}")
+    return loaded, failures
+
+
+def _become(script: str, argv: list[str], env: dict[str, str]) -> None:
+    """Take on the worker's environment and arguments and run the script as its __main__."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    devnull = os.open(os.devnull, os.O_RDONLY)  # a fresh worker's stdin is /dev/null too
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Exception as exc:  # uncaught in the script: traceback from its own frames on, exit 1
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # trainguard.init() chains its hook here
+        raise SystemExit(1) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainguard.launch.spare")
+    parser.add_argument("--ready-fd", type=int, help="write one byte here once warm")
+    parser.add_argument("script")
+    args = parser.parse_args(argv)
+    script = os.path.abspath(args.script)
+    script_dir = os.path.dirname(os.path.realpath(script))
+    if not sys.flags.safe_path:  # `python -m` put the cwd first; `python SCRIPT` puts the script's folder
+        sys.path[0] = script_dir
+    start = time.monotonic()
+    loaded, failures = preload(script, script_dir)
+    warm_s = time.monotonic() - start
+    if args.ready_fd is not None:
+        try:
+            os.write(args.ready_fd, b"r")
+        except OSError as exc:  # the agent's end is gone: nobody will activate this spare
+            print(f"[spare] cannot signal readiness ({exc}); exiting", file=sys.stderr)
+            return 0
+    line = sys.stdin.readline()
+    if args.ready_fd is not None:
+        os.close(args.ready_fd)  # EOF there tells the agent this spare is no longer idle
+    if not line.strip():
+        return 0  # dismissed
+    try:
+        order = json.loads(line)
+        env, script_args = dict(order["env"]), [str(a) for a in order["argv"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"[spare] bad activation line ({exc!r}); expected {{\"env\": {{...}}, \"argv\": [...]}}",
+              file=sys.stderr)
+        return EXIT_BAD_ORDER
+    if env.get(LOG_LEVEL_ENV, "").strip().upper() == "DEBUG":
+        print(f"[spare] preloaded {len(loaded)} modules in {warm_s:.2f} s", file=sys.stderr)
+        for failure in failures:
+            print(f"[spare] preload failed: {failure}", file=sys.stderr)
+    _become(script, script_args, env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
