@@ -13,4 +13,4 @@ trainguard.init()
 value = torch.tensor([[float(trainguard.get_rank())]])
 out = [torch.zeros_like(value) for _ in range(trainguard.get_world_size())]
 dist.all_gather(out, value, group=trainguard.get_group())
-print(torch.cat(out).tolist())
+print("[" + ",".join(f"[{v:.0f}.]" for v in torch.cat(out).flatten().tolist()) + "]", flush=True)

@@ -25,6 +25,8 @@ parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--ckpt-dir", default="", help="save disk checkpoints here (per rank)")
 parser.add_argument("--save-steps", type=int, default=50)
 parser.add_argument("--out", default="", help="rank 0 writes final model+optimizer state here")
+parser.add_argument("--check-replicas", action="store_true", help="verify after every step that all ranks "
+                    "hold bit-identical weights")
 args = parser.parse_args()
 
 # --- cluster ---------------------------------------------------------------------
@@ -52,6 +54,11 @@ model = Model(net, nn.CrossEntropyLoss(), optimizer)
 
 # --- train -----------------------------------------------------------------------------
 callbacks = [LossMonitor(20), StepTimeMonitor(100)]
+if args.check_replicas:
+    from trainguard.testing import ReplicaCheck
+
+    replica_check = ReplicaCheck(net)
+    callbacks.append(replica_check)
 if args.ckpt_dir:
     config = CheckpointConfig(save_checkpoint_steps=args.save_steps, keep_checkpoint_max=3)
     callbacks.append(ModelCheckpoint(prefix="digits", directory=args.ckpt_dir, config=config))
@@ -60,5 +67,7 @@ model.train(args.epochs, train_set, callbacks=callbacks, batch_size=args.batch_s
 # --- evaluate and save -------------------------------------------------------------------
 accuracy = model.eval(test_set)["accuracy"]
 print(f"rank {rank}: test accuracy {accuracy:.4f}", flush=True)
+if args.check_replicas:
+    print(f"rank {rank}: weights identical on every rank after each of {replica_check.checked} steps", flush=True)
 if args.out and rank == 0:
     trainguard.save_state(args.out, {"model": net.state_dict(), "optimizer": optimizer.state_dict()})

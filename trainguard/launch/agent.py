@@ -25,6 +25,7 @@ from typing import IO, Mapping, Sequence, TextIO
 
 from ..config import Role
 from ..errors import ConfigError
+from ..obs.events import EventLog, format_recovery, summarize_recovery
 from .policy import (
     Action, Failure, LaunchSpec, decide_exit, exit_code_for, failure_summary, scheduler_env, signal_exit_code,
     signal_name, spare_env, worker_env,
@@ -143,7 +144,9 @@ class Supervisor:
                 self._start(child)
             if self.spares is not None:  # after the workers: they need the CPU first
                 self.spares.start()
-            return self._loop()
+            code = self._loop()
+            self._print_recoveries()
+            return code
         finally:
             self._close_spares()
             self._kill(self.children)
@@ -340,6 +343,14 @@ class Supervisor:
             return
         if not ok:
             self._say(f"scheduler at {address[0]}:{address[1]} did not take the exit report of {child.name}")
+
+    def _print_recoveries(self) -> None:
+        """One line per recovery of this job, with its MTTR and lost steps (from events.jsonl)."""
+        path = self.spec.recovery_path / "events.jsonl" if self.spec.recovery_path else None
+        if path is None or not path.is_file() or not self.spec.hosts_scheduler:
+            return
+        for i, rec in enumerate(summarize_recovery(EventLog.read(path)), 1):
+            print(format_recovery(i, rec), file=self.out, flush=True)
 
     def _say(self, message: str) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ Events that ``summarize_recovery`` reads, with their fields:
   before the failure)
 - ``restored``          generation, rank, source (where that rank's state came from)
 - ``step_finished``     generation, step
+- ``fault_injected``    generation, rank, how (trainguard.testing: the moment of the kill itself)
 
 One recovery = the failures of one generation plus everything tagged with the generation
 that replaces it: the first ``generation_formed`` (or ``restore_step``/``restored``/
@@ -37,6 +38,7 @@ GENERATION_FORMED = "generation_formed"
 RESTORE_STEP = "restore_step"
 RESTORED = "restored"
 STEP_FINISHED = "step_finished"
+FAULT_INJECTED = "fault_injected"
 _RESERVED = ("ts", "event")
 
 
@@ -150,8 +152,10 @@ class _NullEventLog(EventLog):
 def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One dict per recovery, in order of failure, with ``generation`` (the new one; None if
     none followed), ``failed_generation``, ``failures`` (node/rank/signal/kind of each),
-    ``failure_ts``, ``world_size``, ``recovered_ts``, ``mttr_s``, ``from_step``, ``to_step``,
-    ``lost_steps`` and ``sources`` (of ``restored`` events).
+    ``failure_ts``, ``fault_ts`` (an injected fault's own moment, if one preceded the failure),
+    ``detect_s``, ``world_size``, ``recovered_ts``, ``mttr_s`` (from the fault if known, else from
+    detection, to the first step finished after), ``from_step``, ``to_step``, ``lost_steps`` and
+    ``sources`` (of ``restored`` events).
     Values that the events do not determine are None. Pure: events may come from several
     files, in any order."""
     evs = sorted((e for e in events if "ts" in e and "event" in e), key=lambda e: e["ts"])
@@ -181,21 +185,40 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return next((e for e in later if e["event"] == kind), None)
 
         formed, restore, done = first(GENERATION_FORMED), first(RESTORE_STEP), first(STEP_FINISHED)
+        failed_gen = failures[0].get("generation")
+        fault = next((e for e in reversed(evs) if e["event"] == FAULT_INJECTED and e["ts"] <= t_fail
+                      and e.get("generation") == failed_gen), None)
+        t_start = fault["ts"] if fault else t_fail
         from_step = restore.get("from_step") if restore else None
         to_step = restore.get("to_step") if restore else None
         out.append({
             "generation": gen,
-            "failed_generation": failures[0].get("generation"),
+            "failed_generation": failed_gen,
             "failures": [
                 {k: f[k] for k in ("node", "rank", "signal", "kind") if k in f} for f in failures
             ],
             "failure_ts": t_fail,
+            "fault_ts": fault["ts"] if fault else None,
+            "detect_s": t_fail - fault["ts"] if fault else None,
             "world_size": formed.get("world_size") if formed else None,
             "recovered_ts": done["ts"] if done else None,
-            "mttr_s": done["ts"] - t_fail if done else None,
+            "mttr_s": done["ts"] - t_start if done else None,
             "from_step": from_step,
             "to_step": to_step,
             "lost_steps": from_step - to_step if from_step is not None and to_step is not None else None,
             "sources": sorted({str(e["source"]) for e in later if e["event"] == RESTORED and "source" in e}),
         })
     return out
+
+
+def format_recovery(index: int, rec: dict[str, Any]) -> str:
+    """One line for one recovery, as the launcher prints it at the end of a job."""
+    who = ", ".join(
+        f"rank {f.get('rank', '?')} ({f.get('signal') or f.get('kind') or 'failed'})" for f in rec["failures"])
+    if rec["generation"] is None:
+        return f"trainguard: recovery {index}: {who} failed in generation {rec['failed_generation']}; not recovered"
+    mttr = f"{rec['mttr_s']:.3f} s" if rec["mttr_s"] is not None else "n/a (no step finished after)"
+    since = "kill" if rec["fault_ts"] is not None else "detection"
+    lost = rec["lost_steps"] if rec["lost_steps"] is not None else "?"
+    return (f"trainguard: recovery {index}: {who} -> generation {rec['generation']}, resumed at step "
+            f"{rec['to_step']}, lost {lost} steps, MTTR {mttr} ({since} to the first step finished after)")

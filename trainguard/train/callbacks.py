@@ -39,10 +39,14 @@ class LossMonitor(Callback):
 
 
 class StepTimeMonitor(Callback):
-    """Prints the median step time over the last `per_print_times` steps."""
+    """Prints the median step time over the last `per_print_times` steps, and over the whole run
+    (less the first `warmup` steps) at its end."""
 
-    def __init__(self, per_print_times: int = 50):
+    def __init__(self, per_print_times: int = 50, warmup: int = 10):
+        if per_print_times < 1 or warmup < 0:
+            raise ValueError(f"per_print_times must be >= 1 and warmup >= 0, got {per_print_times}, {warmup}")
         self.per_print_times = per_print_times
+        self.warmup = warmup
         self.times: list[float] = []
         self._t = None
 
@@ -57,3 +61,9 @@ class StepTimeMonitor(Callback):
         if len(self.times) and len(self.times) % self.per_print_times == 0:
             window = self.times[-self.per_print_times:]
             print(f"step time: {1000 * statistics.median(window):.2f} ms (median of {len(window)})", flush=True)
+
+    def on_train_end(self, session) -> None:
+        window = self.times[self.warmup:]
+        if window:
+            print(f"step time: {1000 * statistics.median(window):.2f} ms (median of {len(window)}, whole run)",
+                  flush=True)
