@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "examples" / "allgather.py")
-GATHER = "[[0.0], [1.0]]"
+GATHER = "[[0.],[1.]]"
 CLUSTER_VARS = ("TG_", "MS_", "OMPI_", "PMI", "PMIX_", "TORCHELASTIC_", "SLURM_")
 TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT"}
