@@ -120,10 +120,10 @@ class ClusterConfig:
 # --- readers --------------------------------------------------------------------
 
 
-def _pick(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
-    """Value of the first set name; two aliases set to different values is an error."""
+def _pick(env: Mapping[str, str], names: tuple[str, ...], same=str.strip) -> tuple[str, str] | None:
+    """Value of the first set name; two aliases whose values differ (after `same`) is an error."""
     found = [(n, env[n]) for n in names if env.get(n, "") != ""]
-    if len(found) > 1 and len({v for _, v in found}) > 1:
+    if len(found) > 1 and len({same(v) for _, v in found}) > 1:
         shown = ", ".join(f"{n}={v!r}" for n, v in found)
         raise ConfigError(f"conflicting aliases: {shown}; set only one of them")
     return found[0] if found else None
@@ -162,22 +162,35 @@ def _bool(name: str, raw: str) -> bool:
     raise ConfigError(f"{name}={raw!r} is invalid: expected 1/0 (or true/false)")
 
 
-def _required(env: Mapping[str, str], names: tuple[str, ...], what: str) -> tuple[str, str]:
-    got = _pick(env, names)
+def _required(env: Mapping[str, str], names: tuple[str, ...], what: str, same=str.strip) -> tuple[str, str]:
+    got = _pick(env, names, same)
     if got is None:
         raise ConfigError(f"{names[0]} (or {names[1]}) is not set: it must give {what}")
     return got
 
 
+_ROLE_VALUES = {"scheduler": Role.SCHEDULER, "sched": Role.SCHEDULER, "ms_sched": Role.SCHEDULER,
+                "worker": Role.WORKER, "ms_worker": Role.WORKER}
+
+
+def _same_role(raw: str) -> Role | str:
+    return _ROLE_VALUES.get(raw.strip().lower(), raw)
+
+
 def _role(name: str, raw: str) -> Role:
-    low = raw.strip().lower()
-    if low in ("scheduler", "ms_sched", "sched"):
-        return Role.SCHEDULER
-    if low in ("worker", "ms_worker"):
-        return Role.WORKER
+    role = _ROLE_VALUES.get(raw.strip().lower())
+    if role is not None:
+        return role
     raise ConfigError(
         f"{name}={raw!r} is invalid: expected scheduler or worker (MindSpore: MS_SCHED or MS_WORKER)"
     )
+
+
+def _node_id(name: str, raw: str) -> str:
+    value = raw.strip()
+    if not NODE_ID_RE.match(value):
+        raise ConfigError(f"{name}={raw!r} is invalid: expected 1-64 characters from A-Z a-z 0-9 _ . -")
+    return value
 
 
 def _common(env: Mapping[str, str]) -> dict:
@@ -202,7 +215,7 @@ def _common(env: Mapping[str, str]) -> dict:
 
 
 def detect_mode(env: Mapping[str, str]) -> LaunchMode | None:
-    if _pick(env, ROLE_ENV):
+    if _pick(env, ROLE_ENV, _same_role):
         return LaunchMode.DYNAMIC
     if env.get(TORCHRUN_RANK) and env.get(TORCHRUN_WORLD):
         return LaunchMode.TORCHRUN
@@ -224,14 +237,14 @@ def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig:
         )
     common = _common(env)
     if mode is LaunchMode.DYNAMIC:
-        role = _role(*_required(env, ROLE_ENV, "this process's role"))
+        role = _role(*_required(env, ROLE_ENV, "this process's role", _same_role))
         host = _required(env, SCHED_HOST_ENV, "the scheduler's host or IP address")[1].strip()
         port = _int(*_required(env, SCHED_PORT_ENV, "the scheduler's TCP port"), lo=1, hi=65535)
         workers = _int(*_required(env, WORKER_NUM_ENV, "the number of worker processes"), lo=1)
         node = _pick(env, NODE_ID_ENV)
         return ClusterConfig(
             role=role, mode=mode, sched_host=host, sched_port=port, worker_num=workers,
-            node_id=node[1].strip() if node else None, **common,
+            node_id=_node_id(*node) if node else None, **common,
         )
     if mode is LaunchMode.TORCHRUN:
         rank = _int(TORCHRUN_RANK, env[TORCHRUN_RANK], lo=0)
@@ -249,7 +262,8 @@ def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig:
         port_env = _pick(env, SCHED_PORT_ENV)
         port = _int(*port_env, lo=1, hi=65535) if port_env else DEFAULT_MPI_PORT
     if rank >= world:
-        raise ConfigError(f"rank {rank} is not below the world size {world}")
+        names = (TORCHRUN_RANK, TORCHRUN_WORLD) if mode is LaunchMode.TORCHRUN else (MPI_RANK, MPI_SIZE)
+        raise ConfigError(f"{names[0]}={rank} is invalid: expected a rank below {names[1]}={world}")
     if local and common["local_rank"] is None:
         common["local_rank"] = _int("LOCAL_RANK", local, lo=0)
     return ClusterConfig(

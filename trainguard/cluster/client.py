@@ -44,6 +44,9 @@ class Connection:
         except (OSError, ConnectionError) as exc:
             self.close()
             raise SchedulerUnavailable(f"lost the scheduler at {self.address[0]}:{self.address[1]}: {exc}") from None
+        except ProtocolError:  # the stream is out of step: this socket cannot be used again
+            self.close()
+            raise
         return reply
 
     def close(self) -> None:
@@ -108,23 +111,34 @@ class SchedulerClient:
                     self._conn = connect(self.address, deadline)
                 try:
                     return self._conn.request(msg, timeout)
+                except ProtocolError:
+                    self._conn = None
+                    raise
                 except SchedulerUnavailable:
                     self._conn = None
                     if not retry or time.monotonic() > deadline:
                         raise
                     log.warning("scheduler connection lost; reconnecting")
 
-    def register(self, *, node_id: str | None, host: str, pid: int, worker_num: int) -> p.Registered:
-        deadline = time.monotonic() + self.connect_timeout
+    def register(self, *, node_id: str | None, host: str, pid: int, worker_num: int,
+                 duplicate_wait: float | None = None) -> p.Registered:
+        """Refusals that may clear (a predecessor not yet known dead, a quarantine) are retried until the
+        connect timeout; a node id whose incarnation stays alive only for `duplicate_wait` seconds."""
+        start = time.monotonic()
+        deadline = start + self.connect_timeout
         delay = 0.1
         while True:
             reply = self._call(p.Register(node_id=node_id, host=host, pid=pid, worker_num=worker_num))
-            if isinstance(reply, p.Error) and reply.retry and time.monotonic() + delay < deadline:
+            limit = deadline
+            if isinstance(reply, p.Error) and reply.code is p.ErrorCode.DUPLICATE and duplicate_wait is not None:
+                limit = min(deadline, start + duplicate_wait)
+            if isinstance(reply, p.Error) and reply.retry and time.monotonic() + delay < limit:
                 log.warning("registration refused for now, retrying: %s", reply.message)
                 time.sleep(delay)
                 delay = min(1.0, delay * 2)
                 continue
-            reply = raise_for(reply, "registration refused")
+            waited = time.monotonic() - start
+            reply = raise_for(reply, "registration refused" + (f" (still, after {waited:.1f} s)" if waited >= 1 else ""))
             self.identity = Identity(reply.node_id, reply.incarnation, reply.rank)
             return reply
 

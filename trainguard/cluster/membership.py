@@ -137,8 +137,9 @@ def decide_register(
         if node.state is NodeState.ALIVE:
             return RegisterDecision(
                 Action.REJECT, node_id, code=ErrorCode.DUPLICATE, retry=True,
-                reason=(f"node id {node_id!r} is already registered and alive (incarnation {node.incarnation}, "
-                        f"pid {node.pid} on {node.host}); stop that process first or give this one another node id"),
+                reason=(f"node id {node_id!r} is already registered and alive: incarnation {node.incarnation} "
+                        f"(pid {node.pid} on {node.host}) is still alive; stop that process first, or give this "
+                        "one another node id (TG_NODE_ID)"),
             )
         if node.state is NodeState.UNKNOWN:
             return RegisterDecision(
@@ -155,8 +156,10 @@ def decide_register(
         if node.quarantined_until > now:
             return RegisterDecision(
                 Action.REJECT, node_id, code=ErrorCode.QUARANTINED, retry=True,
-                reason=(f"node id {node_id!r} failed {len(node.admissions)} times in {FLAP_WINDOW_S:.0f} s and is "
-                        f"quarantined for another {node.quarantined_until - now:.1f} s"),
+                reason=(f"node id {node_id!r} is quarantined for another {node.quarantined_until - now:.1f} s: it "
+                        f"was re-admitted {flap_limit} times within {FLAP_WINDOW_S:.0f} s (TG_FLAP_LIMIT={flap_limit}, "
+                        f"TG_QUARANTINE={quarantine_s:g} s); find why it keeps failing. It is admitted again after "
+                        "the quarantine"),
             )
         return RegisterDecision(Action.READMIT, node_id, rank=node.rank)
     # a node id we have not seen

@@ -266,7 +266,8 @@ def _decode(payload: bytes, adapter: TypeAdapter):
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
-        raise ProtocolError(f"invalid message ({where}: {first.get('msg')})") from None
+        what = f"{where}: {first.get('msg')}" if where else first.get("msg")
+        raise ProtocolError(f"invalid message ({what})") from None
 
 
 def decode_request(payload: bytes):

@@ -27,6 +27,7 @@ from .decisions import decide_agreement
 
 log = logging.getLogger("trainguard.scheduler")
 
+EXIT_CONFIG = 2  # its configuration or cluster.db was refused at start: a restart cannot help
 EXIT_JOB_FAILED = 3  # the job failed for good (a crash of the scheduler itself exits otherwise)
 
 
@@ -46,9 +47,11 @@ class Scheduler:
                 self.db.archive()
                 cluster = None
             if cluster is not None and cluster.worker_num != cfg.worker_num:
+                self.db.close()
                 raise ClusterStateError(
-                    f"{self.db.path} belongs to a job of {cluster.worker_num} workers but TG_WORKER_NUM="
-                    f"{cfg.worker_num}; restart with {cluster.worker_num}, or move the file aside to start a new job")
+                    f"{self.db.path} holds a running job of {cluster.worker_num} workers but TG_WORKER_NUM="
+                    f"{cfg.worker_num} here; nothing was changed. Restart the scheduler with TG_WORKER_NUM="
+                    f"{cluster.worker_num}, or move the file aside to start a new job")
             self.events = EventLog(path / "events.jsonl")
         self.resumed = cluster is not None
         self.cluster = cluster or m.Cluster(worker_num=cfg.worker_num)
@@ -56,6 +59,7 @@ class Scheduler:
         self._agreements: dict[tuple[int, str], dict[int, dict]] = {}
         self._decisions: dict[tuple[int, str], dict] = {}
         self._liveness: dict[int, tuple[str, int]] = {}  # id(writer) -> (node_id, incarnation)
+        self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed at job end
         self._changed: asyncio.Condition | None = None
         self._done: asyncio.Event | None = None
         self.port: int | None = None
@@ -85,6 +89,8 @@ class Scheduler:
         async with server:
             await self._done.wait()
             await asyncio.sleep(0.2)  # let the last replies flush
+            for writer in list(self._writers):  # Python >= 3.12 waits on exit for every open connection
+                writer.close()
         monitor.cancel()
         ok = self.cluster.job is m.JobState.DONE
         self.events.emit("job_end", state=self.cluster.job.value, root_cause=self.cluster.root_cause)
@@ -143,6 +149,7 @@ class Scheduler:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        self._writers.add(writer)
         try:
             while True:
                 try:
@@ -166,9 +173,10 @@ class Scheduler:
         except asyncio.CancelledError:  # the server is shutting down at job end
             return
         finally:
+            self._writers.discard(writer)
             bound = self._liveness.pop(id(writer), None)
             writer.close()
-            if bound is not None:
+            if bound is not None and self.cluster.job is m.JobState.RUNNING:
                 node = self.cluster.nodes.get(bound[0])
                 if node is not None and node.incarnation == bound[1] and node.state is m.NodeState.ALIVE:
                     await self._fail(bound[0], bound[1], p.FailureKind.CONNECTION, "control connection closed")
@@ -390,7 +398,11 @@ def run_scheduler(cfg: ClusterConfig) -> int:
     """Run the scheduler in this process until the job ends; the exit code says how it ended."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s",
                         stream=sys.stderr)
-    return asyncio.run(Scheduler(cfg).serve())
+    try:
+        return asyncio.run(Scheduler(cfg).serve())
+    except (ConfigError, ClusterStateError) as exc:  # refused at start: one clear line, no traceback
+        print(f"trainguard scheduler: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
 
 
 def start_in_thread(cfg: ClusterConfig) -> tuple[Scheduler, threading.Thread]:

@@ -1,0 +1,168 @@
+"""Frames and messages: every message round-trips; anything else is a ProtocolError that says why."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import pytest
+
+from trainguard.cluster import protocol as p
+from trainguard.config import MAX_FRAME_BYTES
+from trainguard.errors import ProtocolError
+
+REQUESTS = [
+    p.Register(node_id="w-0", host="hostA", pid=123, worker_num=4),
+    p.Register(node_id=None, host="hostA", pid=0, worker_num=1),
+    p.Reattach(node_id="3", incarnation=2, host="h", pid=9, worker_num=4),
+    p.Heartbeat(node_id="a.b_c", incarnation=1, generation=0, step=-1),
+    p.Join(node_id="0", incarnation=1, after=0, timeout=30.0),
+    p.ReportFailure(node_id="0", incarnation=1, generation=3, kind=p.FailureKind.COLLECTIVE, detail="gloo: peer gone"),
+    p.Agree(node_id="1", incarnation=5, generation=2, purpose="restore",
+            payload={"memory": [[10, True], [9, False]], "disk": [5]}, timeout=60.0),
+    p.Finish(node_id="1", incarnation=1, ok=False, detail="Traceback ...\nRuntimeError: x"),
+    p.ProcessExited(node_id="1", pid=77, exit_code=None, signal=9, detail=""),
+    p.Status(),
+    p.StoreOp(generation=1, op="set", keys=["trainguard/g1/k"], value=b"\x00\xffbytes"),
+    p.StoreOp(generation=1, op="wait", keys=["a", "b"], timeout=1.5),
+    p.StoreOp(generation=1, op="compare_set", keys=["k"], value=b"new", expected=b"old"),
+]
+
+REPLIES = [
+    p.Registered(node_id="w-0", rank=0, incarnation=1, generation=1, worker_num=2),
+    p.HeartbeatAck(generation=4, formed=True, job_over=False),
+    p.Formed(generation=2, rank=1, world_size=2, local_rank=1, members=[
+        p.Member(node_id="0", rank=0, host="h", pid=1, incarnation=1),
+        p.Member(node_id="1", rank=1, host="h", pid=2, incarnation=3)]),
+    p.Agreed(decision={"step": 12, "sources": {"0": "memory"}}),
+    p.StoreReply(value=b"v", number=3, flag=True),
+    p.StatusReply(state={"generation": 1, "nodes": []}),
+    p.Ok(),
+    p.Error(code=p.ErrorCode.FULL, message="cluster full", retry=False),
+]
+
+
+def frame(payload: bytes, *, magic: bytes = p.MAGIC, version: int = p.PROTOCOL_VERSION,
+          length: int | None = None) -> bytes:
+    return p.HEADER.pack(magic, version, len(payload) if length is None else length) + payload
+
+
+def split(data: bytes) -> tuple[int, bytes]:
+    return p.parse_header(data[:p.HEADER.size]), data[p.HEADER.size:]
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: m.type)
+def test_every_request_round_trips(msg):
+    data = p.encode(msg)
+    assert data[:2] == b"TG" and data[2] == p.PROTOCOL_VERSION
+    length, payload = split(data)
+    assert length == len(payload) == struct.unpack(">I", data[3:7])[0]
+    back = p.decode_request(payload)
+    assert type(back) is type(msg) and back == msg
+
+
+@pytest.mark.parametrize("msg", REPLIES, ids=lambda m: m.type)
+def test_every_reply_round_trips(msg):
+    back = p.decode_reply(split(p.encode(msg))[1])
+    assert type(back) is type(msg) and back == msg
+
+
+def test_requests_and_replies_are_separate_vocabularies():
+    with pytest.raises(ProtocolError, match="invalid message"):
+        p.decode_request(split(p.encode(p.Ok()))[1])
+    with pytest.raises(ProtocolError, match="invalid message"):
+        p.decode_reply(split(p.encode(p.Status()))[1])
+
+
+def test_read_frame_over_a_socket_pair():
+    a, b = socket.socketpair()
+    with a, b:
+        msgs = REQUESTS[:3]
+        a.sendall(b"".join(p.encode(m) for m in msgs))
+        assert [p.decode_request(p.read_frame(b)) for _ in msgs] == msgs
+        a.close()
+        with pytest.raises(ConnectionError):
+            p.read_frame(b)
+
+
+# --- bad frames ----------------------------------------------------------------------------------
+
+
+def test_wrong_magic():
+    with pytest.raises(ProtocolError, match="bad frame magic b'GE'.*trainguard protocol only"):
+        p.parse_header(b"GET / H")
+
+
+def test_wrong_protocol_version_names_both_versions():
+    with pytest.raises(ProtocolError) as info:
+        p.parse_header(p.HEADER.pack(p.MAGIC, p.PROTOCOL_VERSION + 1, 3))
+    msg = str(info.value)
+    assert f"version {p.PROTOCOL_VERSION + 1} is not supported" in msg and f"speaks {p.PROTOCOL_VERSION}" in msg
+    assert "same trainguard version" in msg
+
+
+def test_length_at_the_limit_is_accepted():
+    assert p.parse_header(p.HEADER.pack(p.MAGIC, p.PROTOCOL_VERSION, MAX_FRAME_BYTES)) == MAX_FRAME_BYTES
+
+
+def test_oversized_length_is_refused_before_the_body_is_read():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(frame(b"", length=MAX_FRAME_BYTES + 1) + b"body that must stay unread")
+        with pytest.raises(ProtocolError, match=f"{MAX_FRAME_BYTES + 1} bytes exceeds"):
+            p.read_frame(b)
+        b.setblocking(False)
+        assert b.recv(100) == b"body that must stay unread"  # only the 7-byte header was consumed
+
+
+def test_oversized_message_is_refused_when_encoding():
+    big = p.StoreOp(generation=1, op="set", keys=["k"], value=b"x" * (MAX_FRAME_BYTES + 1))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        p.encode(big)
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", b"\x92\x01", b"\x81\xa1a"], ids=["never-used", "truncated", "half-map"])
+def test_invalid_msgpack(payload):
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        p.decode_request(payload)
+
+
+def test_trailing_bytes_after_the_msgpack_object_are_refused():
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        p.decode_request(msgpack.packb({"type": "status"}) + b"\x00")
+
+
+def test_non_string_map_keys_are_refused():
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        p.decode_request(msgpack.packb({1: "status"}))
+
+
+@pytest.mark.parametrize("obj, where", [
+    ({"type": "register", "host": "h", "pid": -1, "worker_num": 2}, "pid"),
+    ({"type": "register", "host": "h", "pid": 1}, "worker_num"),
+    ({"type": "register", "host": "h", "pid": 1, "worker_num": 2, "node_id": "bad id!"}, "node_id"),
+    ({"type": "register", "host": "h", "pid": 1, "worker_num": 2, "admin": True}, "admin"),
+    ({"type": "join", "node_id": "0", "incarnation": 1, "after": 0, "timeout": 0}, "timeout"),
+    ({"type": "store", "generation": 1, "op": "set", "keys": []}, "one key"),
+    ({"type": "store", "generation": 1, "op": "drop_all", "keys": ["k"]}, "op"),
+    ({"type": "agree", "node_id": "0", "incarnation": 1, "generation": 1, "purpose": "x", "timeout": 1}, "purpose"),
+])
+def test_valid_msgpack_of_the_wrong_shape_says_which_field(obj, where):
+    with pytest.raises(ProtocolError) as info:
+        p.decode_request(msgpack.packb(obj, use_bin_type=True))
+    msg = str(info.value)
+    assert msg.startswith("invalid message") and where in msg, msg
+
+
+@pytest.mark.parametrize("obj", [{"type": "shutdown"}, {"no": "type"}, [1, 2], 7, None, "register"])
+def test_unknown_or_missing_type_is_refused(obj):
+    with pytest.raises(ProtocolError, match="invalid message") as info:
+        p.decode_request(msgpack.packb(obj))
+    msg = str(info.value)
+    assert "ValidationError" not in msg and "(:" not in msg, msg
+    if isinstance(obj, dict) and "type" in obj:
+        assert "'shutdown'" in msg and "'register'" in msg  # names the bad tag and the known ones
