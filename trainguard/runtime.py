@@ -24,6 +24,7 @@ from .cluster.client import Heartbeater, SchedulerClient
 from .cluster.rendezvous import SchedulerStore, generation_prefix
 from .errors import ClusterFailed, ConfigError, FencedError, SchedulerUnavailable, TrainguardError
 from .obs.events import EventLog
+from .recovery.sever import GroupSockets, open_sockets, scheduler_peers
 
 log = logging.getLogger("trainguard.runtime")
 
@@ -42,12 +43,17 @@ class Runtime:
         self.cfg = cfg
         self.address = (cfg.sched_host, cfg.sched_port)
         self.client = SchedulerClient(self.address, connect_timeout=cfg.connect_timeout)
-        self.events = EventLog(cfg.recovery_path / "events.jsonl") if cfg.recovery_path else EventLog.null()
+        if cfg.recovery_path is not None:  # unusable: a ConfigError naming the variable, at start
+            self.events = EventLog(C.check_recovery_path(cfg.recovery_path) / "events.jsonl")
+        else:
+            self.events = EventLog.null()
         self.generation = 0
         self.rank = -1
         self.world_size = 0
         self.local_rank = 0
         self.group: dist.ProcessGroup | None = None
+        self.members: frozenset[tuple[str, int]] = frozenset()  # (node id, incarnation) of the formed generation
+        self._sockets = GroupSockets({})
         self.step = -1
         self.finished = False
         self._error: str = ""
@@ -85,12 +91,13 @@ class Runtime:
     # --- membership ------------------------------------------------------------------------
 
     def _register(self) -> None:
+        # a predecessor that died silently is known dead within one heartbeat timeout; a live one is a mistake
         reply = self.client.register(node_id=self.cfg.node_id, host=C.this_host(), pid=os.getpid(),
-                                     worker_num=self.cfg.worker_num)
+                                     worker_num=self.cfg.worker_num, duplicate_wait=2 * self.cfg.heartbeat_timeout)
         self.node_id, self.incarnation = reply.node_id, reply.incarnation
         log.info("registered as %s (incarnation %d)", self.node_id, self.incarnation)
         self.heart = Heartbeater(self.address, self.client.identity, self.cfg.heartbeat_interval,
-                                 step_fn=lambda: self.step)
+                                 step_fn=lambda: self.step, on_news=self._on_news)
         self.heart.start()
 
     def form(self) -> p.Formed:
@@ -106,6 +113,7 @@ class Runtime:
                 continue
             self.generation, self.rank, self.world_size = formed.generation, formed.rank, formed.world_size
             self.local_rank = self.cfg.local_rank if self.cfg.local_rank is not None else formed.local_rank
+            self.members = frozenset((m.node_id, m.incarnation) for m in formed.members)  # same set: nobody restarted
             try:
                 self._build_group()
                 return formed
@@ -121,6 +129,13 @@ class Runtime:
         log.warning("this worker was fenced (%s); registering again", self.heart.fenced)
         self.heart.stop()
         self._register()
+
+    def _on_news(self) -> None:
+        """Heartbeat thread: the cluster left our generation. Cut our group's connections, so a
+        collective blocked on a peer that went to regroup (alive, so its sockets stay open) fails
+        now instead of after the collective timeout."""
+        if self.membership_changed():
+            self._sockets.sever(f"the cluster moved past generation {self.generation}")
 
     def _backend(self) -> str:
         want = self.cfg.backend
@@ -143,13 +158,19 @@ class Runtime:
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        before = open_sockets()
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timeout, **kwargs)
         self.group = dist.group.WORLD
-        log.info("generation %d: rank %d of %d, %s group built in %.0f ms", self.generation, self.rank,
-                 self.world_size, backend, 1000 * (time.monotonic() - t0))
+        if backend == "gloo":
+            self._sockets = GroupSockets.since(before, exclude_peers=scheduler_peers(*self.address))
+            self._on_news()  # the generation may have moved on while we built this one
+        log.info("generation %d: rank %d of %d, %s group built in %.0f ms (%d peer connections)", self.generation,
+                 self.rank, self.world_size, backend, 1000 * (time.monotonic() - t0), len(self._sockets))
 
     def drop_group(self) -> None:
+        # peers still blocked in a collective with us learn at once that we left
+        self._sockets.sever("leaving the group")
         if self.group is not None or dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -169,12 +190,14 @@ class Runtime:
 
     # --- the end ---------------------------------------------------------------------------
 
-    def finish(self, ok: bool = True, detail: str = "") -> None:
+    def finish(self, ok: bool = True, detail: str = "", *, stopped: bool = False,
+               patience: float | None = None) -> None:
+        """Say goodbye to the scheduler (once); `stopped`: a graceful exit, `patience`: seconds to wait for it."""
         if self.finished:
             return
         self.finished = True
         try:
-            self.client.finish(ok, detail)
+            self.client.finish(ok, detail, stopped=stopped, patience=patience)
         except (TrainguardError, OSError) as exc:
             log.warning("could not tell the scheduler this worker finished: %s", exc)
         self.heart.stop()

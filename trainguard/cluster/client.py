@@ -102,9 +102,10 @@ class SchedulerClient:
         self._lock = threading.Lock()
         self.identity: Identity | None = None
 
-    def _call(self, msg, timeout: float | None = None, *, retry: bool = True):
-        """Send, reconnecting (and retrying idempotent requests) while the scheduler is away."""
-        deadline = time.monotonic() + self.connect_timeout
+    def _call(self, msg, timeout: float | None = None, *, retry: bool = True, patience: float | None = None):
+        """Send, reconnecting (and retrying idempotent requests) while the scheduler is away, for at most
+        `patience` seconds (default: the connect timeout)."""
+        deadline = time.monotonic() + (self.connect_timeout if patience is None else patience)
         with self._lock:
             while True:
                 if self._conn is None:
@@ -138,7 +139,8 @@ class SchedulerClient:
                 delay = min(1.0, delay * 2)
                 continue
             waited = time.monotonic() - start
-            reply = raise_for(reply, "registration refused" + (f" (still, after {waited:.1f} s)" if waited >= 1 else ""))
+            still = f" (still, after {waited:.1f} s)" if waited >= 1 else ""
+            reply = raise_for(reply, "registration refused" + still)
             self.identity = Identity(reply.node_id, reply.incarnation, reply.rank)
             return reply
 
@@ -166,15 +168,16 @@ class SchedulerClient:
         if isinstance(reply, p.Error) and reply.code is not p.ErrorCode.FENCED:
             raise_for(reply, "reporting a failure")
 
-    def finish(self, ok: bool, detail: str = "") -> None:
+    def finish(self, ok: bool, detail: str = "", *, stopped: bool = False, patience: float | None = None) -> None:
         me = self._ident()
-        self._call(p.Finish(node_id=me.node_id, incarnation=me.incarnation, ok=ok, detail=detail[-16000:]), 10.0)
+        self._call(p.Finish(node_id=me.node_id, incarnation=me.incarnation, ok=ok, detail=detail[-16000:],
+                            stopped=stopped), 10.0, patience=patience)
 
     def store(self, msg: p.StoreOp) -> p.StoreReply:
         return raise_for(self._call(msg, msg.timeout + 5.0, retry=False), f"rendezvous store {msg.op}")
 
-    def status(self) -> dict:
-        return raise_for(self._call(p.Status(), 10.0), "status").state
+    def status(self, patience: float | None = None) -> dict:
+        return raise_for(self._call(p.Status(), 10.0, patience=patience), "status").state
 
     def close(self) -> None:
         with self._lock:
@@ -186,10 +189,12 @@ class SchedulerClient:
 class Heartbeater(threading.Thread):
     """Sends heartbeats on its own connection and records what the scheduler says."""
 
-    def __init__(self, address: Address, identity: Identity, interval: float, *, step_fn=lambda: -1):
+    def __init__(self, address: Address, identity: Identity, interval: float, *, step_fn=lambda: -1,
+                 on_news=lambda: None):
         super().__init__(name="trainguard-heartbeat", daemon=True)
         self.address, self.identity, self.interval = address, identity, interval
         self.step_fn = step_fn
+        self.on_news = on_news  # called from this thread when the generation moves or we are fenced
         self.generation_seen = 0
         self.formed = False
         self.job_over = False
@@ -210,8 +215,12 @@ class Heartbeater(threading.Thread):
                 if isinstance(reply, p.Error):
                     self.fenced = reply.message
                     log.error("scheduler refused heartbeat: %s", reply.message)
+                    self.on_news()
                     return
+                moved = reply.generation > self.generation_seen
                 self.generation_seen = max(self.generation_seen, reply.generation)
+                if moved:
+                    self.on_news()
                 self.formed, self.job_over = reply.formed, reply.job_over
                 self.connected.set()
                 delay = BACKOFF_START_S
@@ -230,7 +239,7 @@ class Heartbeater(threading.Thread):
 
 
 def report_exit(address: Address, node_id: str, pid: int, exit_code: int | None, signal: int | None,
-                detail: str, timeout: float = 5.0) -> bool:
+                detail: str, timeout: float = 5.0, *, final: bool = False) -> bool:
     """From an agent: tell the scheduler a worker process exited. Best effort."""
     try:
         conn = Connection(address, timeout=timeout)
@@ -238,7 +247,7 @@ def report_exit(address: Address, node_id: str, pid: int, exit_code: int | None,
         return False
     try:
         conn.request(p.ProcessExited(node_id=node_id, pid=pid, exit_code=exit_code, signal=signal,
-                                     detail=detail[-16000:]), timeout)
+                                     detail=detail[-16000:], final=final), timeout)
         return True
     except SchedulerUnavailable:
         return False

@@ -28,6 +28,11 @@ CREATE TABLE IF NOT EXISTS nodes (
 class ClusterDB:
     def __init__(self, directory: Path):
         self.path = Path(directory) / DB_NAME
+        if self.path.is_file() and self.path.stat().st_size == 0:
+            # sqlite would take an empty file for a new database and silently start over; ours always
+            # holds at least its header page once created, so an empty one was truncated
+            raise self._corrupt("the file is empty")
+        self._conn = None
         try:
             self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._conn.execute("PRAGMA journal_mode=WAL")
@@ -37,9 +42,11 @@ class ClusterDB:
                 raise sqlite3.DatabaseError(ok)
             self._conn.executescript(_SCHEMA)
         except sqlite3.DatabaseError as exc:
+            if self._conn is not None:
+                self._conn.close()
             raise self._corrupt(exc) from None
 
-    def _corrupt(self, exc: Exception) -> ClusterStateError:
+    def _corrupt(self, exc: Exception | str) -> ClusterStateError:
         return ClusterStateError(
             f"{self.path} is corrupt or not a trainguard state file ({exc}); nothing was changed. "
             f"Restore it from a backup, or move it aside to start a new job (checkpoints are kept)"

@@ -5,7 +5,8 @@ event's fields. Writers append; ``EventLog.read`` skips a torn (half-written) li
 
 Events that ``summarize_recovery`` reads, with their fields:
 
-- ``failure_detected``  node, rank, signal or kind, generation (the generation that failed)
+- ``failure_detected``  node, rank, signal or kind, generation (the generation that failed),
+  next_generation (the one that replaces it; equal to generation while a regroup is pending)
 - ``generation_formed`` generation (the new one), world_size
 - ``restore_step``      generation, to_step (the step restored), from_step (the step reached
   before the failure)
@@ -165,12 +166,14 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if f["event"] != FAILURE_DETECTED:
             continue
         failed = f.get("generation")
+        # the generation that replaces it; a failure during a regroup names the pending one
+        target = f.get("next_generation", failed + 1 if failed is not None else None)
         key: Any = ("unrecovered", failed)
         for e in evs[i + 1 :]:
             gen = e.get("generation")
             if e["event"] not in after_kinds or gen is None:
                 continue
-            if (failed is None and e["event"] != STEP_FINISHED) or (failed is not None and gen > failed):
+            if (target is None and e["event"] != STEP_FINISHED) or (target is not None and gen >= target):
                 key = gen
                 break
         groups.setdefault(key, []).append(f)
