@@ -16,7 +16,7 @@ import base64
 import math
 import struct
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -27,10 +27,18 @@ CODEC_VERSION = 1
 _SUPPORTED = "dict (str/int keys), list, tuple, torch.Tensor, numpy.ndarray, int, float, bool, None, str, bytes"
 
 
-def flatten_state(obj: Any, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+TensorHook = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def flatten_state(obj: Any, *, copy: bool = True,
+                  tensor_hook: TensorHook | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Split `obj` into (tensors, meta). With copy=True every tensor is a private, detached,
-    contiguous CPU copy, so later in-place updates by the caller cannot change it."""
-    enc = _Encoder(copy)
+    contiguous CPU copy, so later in-place updates by the caller cannot change it.
+
+    `tensor_hook(key, tensor)`, if given, sees every tensor with the name it will be stored
+    under and returns the tensor to store instead (sharded saves use it to swap a DTensor
+    for its local piece)."""
+    enc = _Encoder(copy, tensor_hook)
     root = enc.node(obj, ())
     return enc.tensors, {"codec": CODEC_VERSION, "root": root}
 
@@ -66,8 +74,9 @@ def _float_node(x: float) -> Any:
 
 
 class _Encoder:
-    def __init__(self, copy: bool) -> None:
+    def __init__(self, copy: bool, hook: TensorHook | None = None) -> None:
         self.copy = copy
+        self.hook = hook
         self.tensors: dict[str, torch.Tensor] = {}
         self._open: set[int] = set()  # ids of containers on the current path (cycle check)
 
@@ -80,6 +89,9 @@ class _Encoder:
         return key
 
     def _store(self, t: torch.Tensor, path: tuple[str, ...]) -> str:
+        key = self._key(path)
+        if self.hook is not None:
+            t = self.hook(key, t)
         if t.layout != torch.strided:
             raise CheckpointError(f"cannot store a {t.layout} tensor at {'/'.join(path) or '<root>'}; "
                                   "convert it to a dense tensor first")
@@ -88,7 +100,6 @@ class _Encoder:
             t = t.to(device="cpu", memory_format=torch.contiguous_format, copy=True)
         else:
             t = t.cpu()
-        key = self._key(path)
         self.tensors[key] = t.contiguous()
         return key
 

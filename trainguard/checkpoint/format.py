@@ -5,6 +5,12 @@ A save writes into a hidden sibling temp folder, fsyncs every file, writes the m
 a parseable manifest and every listed file at its listed size is complete; anything else
 (temp folders, a crash at any point) is ignored by `list_checkpoints`. Loads validate the
 manifest and each safetensors header themselves before safetensors parses a byte.
+
+Manifest versions: 1 has no parallel layout; 2 adds "layout" (see layout.CheckpointLayout:
+every tensor's global shape and which rank file holds which slice). A save without a layout
+still writes version 1, so readers that only know version 1 read it; both are read here.
+Several ranks can fill one temp folder (`temp_folder`, `write_shard`), after which one of
+them calls `commit_checkpoint`; sharded.py does that.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import shutil
 import struct
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +36,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
 from ..errors import CheckpointCorrupt, CheckpointError
+from .layout import CheckpointLayout
 
 log = logging.getLogger("trainguard.checkpoint")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest; a manifest without a layout is written (and read) as version 1
+READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 STALE_TEMP_SECONDS = 3600.0
@@ -91,7 +100,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
     """Write one safetensors file (streamed, fsynced); return (sha256 hex, size)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     blobs, offset = [], 0
@@ -110,14 +119,23 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
+    chunks = [struct.pack("<Q", len(head)), head, *blobs]
+    # hashlib releases the GIL on large buffers: hash the same bytes while they are written and fsynced
+    with ThreadPoolExecutor(1, thread_name_prefix="trainguard-sha256") as pool:
+        digest = pool.submit(_sha256, chunks)
+        with open(path, "xb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        return digest.result(), 8 + len(head) + offset
+
+
+def _sha256(chunks: list) -> str:
     digest = hashlib.sha256()
-    with open(path, "xb") as f:
-        for chunk in (struct.pack("<Q", len(head)), head, *blobs):
-            f.write(chunk)
-            digest.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    return digest.hexdigest(), 8 + len(head) + offset
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -129,8 +147,39 @@ def _write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def new_manifest(folder: Path, *, meta: dict, step: int, epoch: int, world_size: int,
+                 append_info: dict | None = None, layout: CheckpointLayout | None = None) -> dict:
+    """A checked manifest without its "files" entries; raises CheckpointError naming `folder`."""
+    for key, value, low in (("step", step, 0), ("epoch", epoch, 0), ("world_size", world_size, 1)):
+        if type(value) is not int or value < low:
+            raise CheckpointError(f"cannot save {folder}: {key} must be an int >= {low}, got {value!r}")
+    if not isinstance(meta, dict) or not isinstance(append_info, (dict, type(None))):
+        raise CheckpointError(f"cannot save {folder}: meta must be a dict and append_info a dict or None")
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors files are little-endian; this host is big-endian")
+    manifest = {"format_version": 1 if layout is None else FORMAT_VERSION, "step": step, "epoch": epoch,
+                "world_size": world_size, "meta": meta, "append_info": append_info, "files": {},
+                "created": time.time()}
+    if layout is not None:
+        for name in layout.rank_files:
+            if (why := _bad_name(name)) is not None:
+                raise CheckpointError(f"cannot save {folder}: {why}")
+        manifest["layout"] = layout.to_json()
+    try:
+        json.dumps(manifest, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"cannot save {folder}: meta/append_info is not plain JSON: {exc}") from exc
+    return manifest
+
+
+def temp_folder(folder: Path, tag: str) -> Path:
+    """The hidden sibling a save of `folder` fills before `commit_checkpoint` renames it."""
+    return folder.parent / f".{folder.name}.tmp-{tag}"
+
+
 def save_checkpoint(folder: Path, shards: dict[str, dict[str, torch.Tensor]], *, meta: dict, step: int,
-                    epoch: int, world_size: int, append_info: dict | None = None) -> Path:
+                    epoch: int, world_size: int, append_info: dict | None = None,
+                    layout: CheckpointLayout | None = None) -> Path:
     """Write `shards` and a manifest to `folder` atomically; an existing `folder` is replaced.
 
     On failure raises CheckpointError naming the file, removes the temp folder and leaves
@@ -139,31 +188,39 @@ def save_checkpoint(folder: Path, shards: dict[str, dict[str, torch.Tensor]], *,
     for name in shards:
         if (why := _bad_name(name)) is not None:
             raise CheckpointError(f"cannot save {folder}: {why}")
-    for key, value, low in (("step", step, 0), ("epoch", epoch, 0), ("world_size", world_size, 1)):
-        if type(value) is not int or value < low:
-            raise CheckpointError(f"cannot save {folder}: {key} must be an int >= {low}, got {value!r}")
-    if not isinstance(meta, dict) or not isinstance(append_info, (dict, type(None))):
-        raise CheckpointError(f"cannot save {folder}: meta must be a dict and append_info a dict or None")
-    if sys.byteorder != "little":
-        raise CheckpointError("safetensors files are little-endian; this host is big-endian")
-    manifest = {"format_version": FORMAT_VERSION, "step": step, "epoch": epoch, "world_size": world_size,
-                "meta": meta, "append_info": append_info, "files": {}, "created": time.time()}
-    try:
-        json.dumps(manifest, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"cannot save {folder}: meta/append_info is not plain JSON: {exc}") from exc
+    manifest = new_manifest(folder, meta=meta, step=step, epoch=epoch, world_size=world_size,
+                            append_info=append_info, layout=layout)
+    return commit_checkpoint(folder, f"{os.getpid()}-{secrets.token_hex(4)}", manifest, shards=shards)
 
-    parent, tag = folder.parent, f"{os.getpid()}-{secrets.token_hex(4)}"
-    tmp, old = parent / f".{folder.name}.tmp-{tag}", parent / f".{folder.name}.old-{tag}"
+
+def commit_checkpoint(folder: Path, tag: str, manifest: dict, *, shards: dict | None = None,
+                      written: dict[str, dict] | None = None) -> Path:
+    """Finish a save into `temp_folder(folder, tag)`: write `shards` there (creating it), or take
+    the `written` files ({name: {"sha256", "bytes"}}) other processes put there already; then
+    write the manifest, fsync, and swap the folder into place."""
+    folder = Path(folder)
+    parent = folder.parent
+    tmp, old = temp_folder(folder, tag), parent / f".{folder.name}.old-{tag}"
     current, moved_aside, done = parent, False, False
+    manifest["files"] = dict(written or {})
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        current = tmp
-        tmp.mkdir()
-        for name, tensors in shards.items():
-            current = tmp / name
-            sha, size = _write_shard(current, tensors)
-            manifest["files"][name] = {"sha256": sha, "bytes": size}
+        if shards is not None:
+            current = tmp
+            tmp.mkdir()
+            for name, tensors in shards.items():
+                current = tmp / name
+                sha, size = write_shard(current, tensors)
+                manifest["files"][name] = {"sha256": sha, "bytes": size}
+        missing = [n for n in _layout_files(manifest) if n not in manifest["files"]]
+        if missing:
+            raise CheckpointError(f"cannot save {folder}: the layout names files that were not written: {missing}")
+        for name, entry in (written or {}).items():
+            size = (tmp / name).stat().st_size if (tmp / name).is_file() else -1
+            if size != entry["bytes"]:
+                raise CheckpointError(f"cannot save {folder}: {tmp / name} is {'missing' if size < 0 else size} here, "
+                                      f"but its writer reported {entry['bytes']} bytes; is the directory shared by "
+                                      "every rank?")
         current = tmp / MANIFEST
         _write_json(current, manifest)
         current = tmp
@@ -231,8 +288,10 @@ def read_manifest(folder: Path) -> dict:
         raise _corrupt(path, f"is not JSON ({exc})") from None
     if not isinstance(m, dict):
         raise _corrupt(path, "is not a JSON object")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise _corrupt(path, f"has format_version {m.get('format_version')!r}, expected {FORMAT_VERSION}")
+    version = m.get("format_version")
+    if type(version) is not int or version not in READ_VERSIONS:
+        raise _corrupt(path, f"has format_version {version!r}; this trainguard reads versions "
+                       f"{', '.join(map(str, READ_VERSIONS))} (a newer trainguard wrote it?)")
     for key, kind in (("step", int), ("epoch", int), ("world_size", int), ("meta", dict), ("files", dict),
                       ("created", (int, float))):
         if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
@@ -248,7 +307,46 @@ def read_manifest(folder: Path) -> dict:
         size = entry.get("bytes") if isinstance(entry, dict) else None
         if not ok or not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise _corrupt(path, f"entry for {name!r} needs a 64-hex 'sha256' and a non-negative 'bytes'")
+    if version >= 2:
+        _check_layout(path, m)
+    elif "layout" in m:
+        raise _corrupt(path, "has format_version 1 but a 'layout' field (version 2 introduced it)")
     return m
+
+
+def _layout_files(manifest: dict) -> list[str]:
+    return list(manifest.get("layout", {}).get("rank_files", []))
+
+
+def _check_layout(path: Path, m: dict) -> None:
+    if "layout" not in m:
+        raise _corrupt(path, f"has format_version {m['format_version']} but no 'layout' field")
+    try:
+        layout = CheckpointLayout.from_json(m["layout"])
+    except ValueError as exc:
+        raise _corrupt(path, f"layout: {exc}") from None
+    for name in layout.rank_files:
+        if (why := _bad_name(name)) is not None:
+            raise _corrupt(path, f"layout: {why}")
+        if name not in m["files"]:
+            raise _corrupt(path, f"layout names {name!r}, which is not among its files")
+    for name, t in layout.tensors.items():
+        if t.dtype not in _DTYPES:
+            raise _corrupt(path, f"layout: tensor {name!r} has unknown dtype {t.dtype[:20]!r}")
+    if len(layout.rank_files) not in (1, m["world_size"]):
+        raise _corrupt(path, f"layout has {len(layout.rank_files)} rank files for world_size {m['world_size']}")
+
+
+def manifest_layout(manifest: dict) -> CheckpointLayout | None:
+    """The parsed layout of a manifest `read_manifest` returned (None for version 1)."""
+    return CheckpointLayout.from_json(manifest["layout"]) if "layout" in manifest else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors' name for a torch dtype; CheckpointError if it cannot store it."""
+    if dtype not in _DTYPE_NAMES:
+        raise CheckpointError(f"dtype {dtype} cannot be stored by safetensors; supported: {', '.join(sorted(_DTYPES))}")
+    return _DTYPE_NAMES[dtype]
 
 
 def _check_header(path: Path, data: bytes) -> None:
@@ -289,7 +387,8 @@ def _check_header(path: Path, data: bytes) -> None:
             raise _corrupt(path, f"tensors {a!r} and {b!r} overlap in the data")
 
 
-def _read_shard(path: Path, entry: dict, verify: bool) -> dict[str, torch.Tensor]:
+def read_shard(path: Path, entry: dict, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of one shard file, checked against its manifest `entry` ({"sha256", "bytes"})."""
     if path.is_symlink() or not path.is_file():
         raise _corrupt(path, "is missing (or not a regular file) but the manifest lists it")
     try:
@@ -312,7 +411,7 @@ def load_checkpoint(folder: Path, *, verify: bool = True) -> tuple[dict[str, dic
     """(shards, manifest) of a complete checkpoint; verify=True also checks every sha256."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    shards = {name: _read_shard(folder / name, entry, verify) for name, entry in manifest["files"].items()}
+    shards = {name: read_shard(folder / name, entry, verify) for name, entry in manifest["files"].items()}
     return shards, manifest
 
 
