@@ -9,8 +9,9 @@ from __future__ import annotations
 import importlib
 
 from .errors import (CheckpointCorrupt, CheckpointError, ClusterFailed, ClusterStateError, ConfigError,
-                     FencedError, ProtocolError, RecoveryError, RegistrationRejected, RendezvousTimeout,
-                     SchedulerUnavailable, TrainguardError)
+                     FencedError, JobStopped, ProtocolError, RecoveryError, RegistrationRejected,
+                     RendezvousTimeout, Retriable, SchedulerUnavailable, TrainguardError)
+from .exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,11 @@ _LAZY = {
     "get_group": "runtime",
     "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",
     "CheckpointConfig": "checkpoint.manager", "ModelCheckpoint": "checkpoint.manager",
+    "ExceptionCheckpoint": "checkpoint.manager",
+    "save_sharded": "checkpoint.sharded", "load_sharded": "checkpoint.reshard",
+    "load_checkpoint": "checkpoint.reshard", "load_param_into_net": "checkpoint.reshard",
+    "init_optimizer_state": "checkpoint.reshard",
+    "restore_group_info_list": "checkpoint.replicas", "recover_rank": "checkpoint.replicas",
     "Callback": "train.callbacks", "LossMonitor": "train.callbacks", "StepTimeMonitor": "train.callbacks",
     "ShardedSampler": "train.data", "Model": "train.model", "DataParallel": "train.parallel",
     "Session": "train.session", "SessionConfig": "train.session", "Step": "train.session",
@@ -28,7 +34,7 @@ _LAZY = {
 __all__ = sorted(_LAZY) + [
     "CheckpointCorrupt", "CheckpointError", "ClusterFailed", "ClusterStateError", "ConfigError", "FencedError",
     "ProtocolError", "RecoveryError", "RegistrationRejected", "RendezvousTimeout", "SchedulerUnavailable",
-    "TrainguardError",
+    "TrainguardError", "JobStopped", "Retriable", "EXIT_PREEMPTED", "EXIT_FAULT_STOP",
 ]
 
 

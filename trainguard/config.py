@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import ConfigError
+from .recovery.strategies import (
+    DEFAULT_MAX_RETRIES, DEFAULT_STRATEGY, RecoverStrategy, parse_strategy, require_implemented,
+)
 
 # --- names (declared once) ----------------------------------------------------
 ROLE_ENV = ("TG_ROLE", "MS_ROLE")
@@ -35,6 +38,9 @@ LOCAL_RANK_ENV = "TG_LOCAL_RANK"
 FLAP_LIMIT_ENV = "TG_FLAP_LIMIT"
 LOG_LEVEL_ENV = "TG_LOG_LEVEL"
 QUARANTINE_ENV = "TG_QUARANTINE"
+GRACE_PERIOD_ENV = "TG_GRACE_PERIOD"  # seconds from SIGTERM/SIGINT/SIGUSR1 to SIGKILL; the launcher's --grace-period
+RECOVER_STRATEGY_ENV = "TG_RECOVER_STRATEGY"  # e.g. "retry,recover-in-place"; the launcher's --recover-strategy
+MAX_RETRIES_ENV = "TG_MAX_RETRIES"  # in-process retries of a failed step in a row (the retry strategy)
 # torchrun and OpenMPI
 TORCHRUN_RANK, TORCHRUN_WORLD = "RANK", "WORLD_SIZE"
 TORCHRUN_ADDR, TORCHRUN_PORT, TORCHRUN_LOCAL_RANK = "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"
@@ -52,8 +58,10 @@ DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 DEFAULT_FLAP_LIMIT = 5  # restarts of one node id inside the window before quarantine
 DEFAULT_QUARANTINE_S = 30.0
+DEFAULT_GRACE_PERIOD_S = 10.0
 DEFAULT_MPI_PORT = 8118
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+MIN_GROUP_BUILD_TIMEOUT_S = 10.0
 
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -89,6 +97,8 @@ class ClusterConfig:
     flap_limit: int = DEFAULT_FLAP_LIMIT
     quarantine_s: float = DEFAULT_QUARANTINE_S
     embedded_scheduler: bool = False  # this worker process also hosts the scheduler
+    grace_period: float = DEFAULT_GRACE_PERIOD_S
+    recover_strategy: RecoverStrategy = parse_strategy(DEFAULT_STRATEGY)
 
     def __post_init__(self) -> None:
         if self.worker_num < 1:
@@ -111,6 +121,13 @@ class ClusterConfig:
             )
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"{BACKEND_ENV}={self.backend!r}: expected auto, gloo or nccl")
+
+    @property
+    def group_build_timeout(self) -> float:
+        """Seconds to build a generation's process group. Every member has joined before the build
+        starts, so it is quick; but gloo retries a refused connection until its timeout, so a peer
+        that dies mid-build must not cost the whole collective timeout."""
+        return min(self.collective_timeout, max(MIN_GROUP_BUILD_TIMEOUT_S, 2 * self.heartbeat_timeout))
 
     @property
     def address(self) -> str:
@@ -211,7 +228,17 @@ def _common(env: Mapping[str, str]) -> dict:
         local_rank=_int(LOCAL_RANK_ENV, local, lo=0) if local else None,
         flap_limit=_int(FLAP_LIMIT_ENV, flap, lo=1) if flap else DEFAULT_FLAP_LIMIT,
         quarantine_s=_float(env, QUARANTINE_ENV, DEFAULT_QUARANTINE_S),
+        grace_period=_float(env, GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S),
+        recover_strategy=strategy_from_env(env),
     )
+
+
+def strategy_from_env(env: Mapping[str, str]) -> RecoverStrategy:
+    """TG_RECOVER_STRATEGY and TG_MAX_RETRIES; recover and elastic are refused at start (not built yet)."""
+    retries = env.get(MAX_RETRIES_ENV, "")
+    limit = _int(MAX_RETRIES_ENV, retries, lo=0) if retries.strip() else DEFAULT_MAX_RETRIES
+    strategy = parse_strategy(env.get(RECOVER_STRATEGY_ENV), source=RECOVER_STRATEGY_ENV, max_retries=limit)
+    return require_implemented(strategy, RECOVER_STRATEGY_ENV)
 
 
 def detect_mode(env: Mapping[str, str]) -> LaunchMode | None:

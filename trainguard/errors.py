@@ -67,3 +67,26 @@ class RecoveryError(TrainguardError):
 
 class ClusterStateError(TrainguardError):
     """The scheduler's persisted state (cluster.db) is unreadable or belongs to another job."""
+
+
+# --- raised into the training loop on purpose --------------------------------
+
+
+class Retriable(TrainguardError):
+    """Raise it (or `raise Retriable(...) from exc`) inside `with step:` to have every rank roll back to the
+    last in-memory snapshot and redo the step in the same processes. Needs the retry recover strategy
+    (`--recover-strategy retry,...`); without it, it ends the process like any other exception."""
+
+
+class JobStopped(SystemExit):
+    """The job stopped at a commit point: a graceful exit on a signal (code EXIT_PREEMPTED) or a stop
+    after a fault (code EXIT_FAULT_STOP). It is a SystemExit, so uncaught it ends the process with
+    that code; it is not a TrainguardError, so `except Exception` in user code does not swallow it."""
+
+    def __init__(self, code: int, reason: str, step: int):
+        super().__init__(code)
+        self.reason = reason
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"stopped at step {self.step} (exit code {self.code}): {self.reason}"

@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from . import config as C
 from .cluster import protocol as p
@@ -160,8 +161,9 @@ class Runtime:
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
         before = open_sockets()
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=timeout, **kwargs)
+                                timeout=timedelta(seconds=self.cfg.group_build_timeout), **kwargs)
         self.group = dist.group.WORLD
+        _set_pg_timeout(timeout, self.group)  # built: collectives get the full collective timeout
         if backend == "gloo":
             self._sockets = GroupSockets.since(before, exclude_peers=scheduler_peers(*self.address))
             self._on_news()  # the generation may have moved on while we built this one

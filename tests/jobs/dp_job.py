@@ -25,6 +25,9 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--ckpt", default="")
 parser.add_argument("--save-steps", type=int, default=4)
 parser.add_argument("--step-sleep", type=float, default=0.0)
+parser.add_argument("--dying-gasp", choices=["none", "config", "callback"], default="none",
+                    help="config: CheckpointConfig(exception_save=True); callback: also an ExceptionCheckpoint")
+parser.add_argument("--retriable-at", default="", help="RANK:STEP: raise tg.Retriable once inside that step")
 args = parser.parse_args()
 
 # --- cluster and per-rank randomness ---------------------------------------------
@@ -48,9 +51,13 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
 callbacks = []
 ckpt = None
 if args.ckpt:
-    ckpt = tg.ModelCheckpoint("job", args.ckpt, tg.CheckpointConfig(save_checkpoint_steps=args.save_steps,
-                                                                     keep_checkpoint_max=3))
+    config = tg.CheckpointConfig(save_checkpoint_steps=args.save_steps, keep_checkpoint_max=3,
+                                 exception_save=args.dying_gasp == "config")
+    ckpt = tg.ModelCheckpoint("job", args.ckpt, config)
     callbacks.append(ckpt)
+    if args.dying_gasp == "callback":
+        callbacks.append(tg.ExceptionCheckpoint("job", args.ckpt, config))
+retriable_at = tuple(int(v) for v in args.retriable_at.split(":")) if args.retriable_at else None
 
 
 def noisy(x):
@@ -66,6 +73,9 @@ if args.level == "low":
     session = tg.Session(state, tg.SessionConfig(epochs=args.epochs), checkpoint=ckpt, callbacks=callbacks)
     for step in session.steps():
         with step:
+            if retriable_at == (rank, step.index):
+                retriable_at = None  # once: the redone step goes through
+                raise tg.Retriable(f"injected retriable fault in step {step.index} on rank {rank}")
             x, t = step.batch
             opt.zero_grad()
             loss = F.cross_entropy(model(noisy(x)), t)

@@ -6,6 +6,10 @@ source during recovery. Each rank writes its own folder tree `directory/rank_{r}
 checkpoint folder `{prefix}-{epoch}_{step_in_epoch}` per save. Writes run in a background
 thread from the step's snapshot, which is a private copy: the next step cannot change what
 is being written. A failed write is reported and never looks complete.
+
+Dying-gasp checkpoints (a graceful exit on a signal, or the dump recover strategy): a
+ModelCheckpoint with `CheckpointConfig(exception_save=True)` also writes one when the job
+stops, and `ExceptionCheckpoint` writes only those. Either is a disk source for the next run.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class CheckpointConfig:
     keep_checkpoint_max: int = 5
     async_save: bool = True
     integrated_save: bool = True
-    exception_save: bool = False
+    exception_save: bool = False  # also save a dying-gasp checkpoint when the job stops (train/graceful.py)
     append_info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -106,13 +110,7 @@ class ModelCheckpoint:
             session._snapshot()
             snap = session.snapshots.get(session.step)
         self._rank = session.rt.rank
-        obj = {"shared": unflatten_state(snap.tensors, snap.meta, copy=False), "own": unpack(snap.own)}
-        tensors, meta = flatten_state(obj, copy=False)
-        progress = obj["own"]["progress"]
-        folder = self.directory / checkpoint_name(self.prefix, *_seed_name(progress, session.steps_per_epoch))
-        job = dict(folder=folder, shards={f"rank_{self._rank}.safetensors": tensors}, meta=meta,
-                   step=progress["step"], epoch=progress["epoch"], world_size=session.rt.world_size,
-                   append_info=dict(self.config.append_info))
+        job = self._job(snap, self._rank, snap.own, session.steps_per_epoch, session.rt.world_size)
         self.wait()
         self._last_save = time.monotonic()
         if self.config.async_save:
@@ -120,6 +118,34 @@ class ModelCheckpoint:
             self._thread.start()
         else:
             self._write(**job)
+
+    def _job(self, snap, rank: int, own: bytes, steps_per_epoch: int | None, world_size: int) -> dict:
+        """What save_checkpoint needs to write `rank`'s state at `snap` (own: that rank's own blob)."""
+        obj = {"shared": unflatten_state(snap.tensors, snap.meta, copy=False), "own": unpack(own)}
+        tensors, meta = flatten_state(obj, copy=False)
+        progress = obj["own"]["progress"]
+        folder = self.root / f"rank_{rank}" / checkpoint_name(self.prefix, *_seed_name(progress, steps_per_epoch))
+        return dict(folder=folder, shards={f"rank_{rank}.safetensors": tensors}, meta=meta,
+                    step=progress["step"], epoch=progress["epoch"], world_size=world_size,
+                    append_info=dict(self.config.append_info))
+
+    # --- dying gasp ------------------------------------------------------------------------
+
+    @property
+    def saves_dying_gasp(self) -> bool:
+        return self.config.exception_save
+
+    def save_dying_gasp(self, snap, rank: int, own: bytes, steps_per_epoch: int | None,
+                        world_size: int) -> Path | None:
+        """Write `rank`'s state at `snap` now, in this thread; None if a complete one is already there.
+        Raises CheckpointError; a cut write never looks complete (format.py renames it into place last)."""
+        job = self._job(snap, rank, own, steps_per_epoch, world_size)
+        folder = job.pop("folder")
+        if any(c.step == job["step"] for c in list_checkpoints(folder.parent, self.prefix)):
+            return None
+        save_checkpoint(folder, job.pop("shards"), **job)
+        prune_checkpoints(folder.parent, self.prefix, self.config.keep_checkpoint_max)
+        return folder
 
     def _write(self, **job) -> None:
         try:
@@ -136,3 +162,40 @@ class ModelCheckpoint:
 
     def on_train_end(self, session) -> None:
         self.wait()
+
+
+class ExceptionCheckpoint(ModelCheckpoint):
+    """Saves only dying-gasp checkpoints (graceful exit, dump), in the seeds' style:
+
+        cb += [ModelCheckpoint("net", "ckpt", config), ExceptionCheckpoint("net", "ckpt", config)]
+
+    With the same prefix and directory as a ModelCheckpoint it writes into the same folders (a
+    step already saved is not written twice), and the next run restores from either."""
+
+    @property
+    def saves_dying_gasp(self) -> bool:
+        return True
+
+    def on_step_end(self, session) -> None:
+        return None
+
+
+class DiskSources(list):
+    """The distinct ModelCheckpoints among `candidates` (by directory and prefix): where a session
+    finds complete steps on disk and loads one, whichever of them holds it."""
+
+    def __init__(self, *candidates):
+        unique = {(c.root.resolve(), c.prefix): c for c in candidates if isinstance(c, ModelCheckpoint)}
+        super().__init__(unique.values())
+
+    def complete_steps(self) -> list[int]:
+        return sorted({s for src in self for s in src.complete_steps()})
+
+    def load(self, step: int) -> dict:
+        errors = []
+        for src in self:
+            try:
+                return src.load(step)
+            except CheckpointError as exc:
+                errors.append(str(exc))
+        raise CheckpointError("; ".join(errors) or f"no disk checkpoint source holds step {step}")

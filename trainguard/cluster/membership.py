@@ -8,6 +8,7 @@ Node lifecycle (allowed transitions):
     (unknown id) --register--> ALIVE
     ALIVE   --failure-->  DEAD        (exit, closed connection, heartbeat timeout, collective report)
     ALIVE   --finish-->   FINISHED
+    ALIVE   --finish(stopped)--> STOPPED  (a graceful exit on a signal; the job ends STOPPED)
     DEAD    --register--> ALIVE       (same node id, same rank, incarnation + 1)
     UNKNOWN --reattach--> ALIVE       (after a scheduler restart, same incarnation)
     UNKNOWN --timeout-->  DEAD
@@ -37,6 +38,7 @@ class NodeState(enum.Enum):
     ALIVE = "alive"
     DEAD = "dead"
     FINISHED = "finished"
+    STOPPED = "stopped"  # left at a commit point on a signal, after its dying-gasp checkpoint
     UNKNOWN = "unknown"  # loaded from disk by a restarted scheduler, not yet heard from
 
 
@@ -44,6 +46,7 @@ class JobState(enum.Enum):
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+    STOPPED = "stopped"  # every worker left at a commit point on a signal: run the job again to resume
 
 
 @dataclass(slots=True)
@@ -147,9 +150,9 @@ def decide_register(
                 reason=(f"node id {node_id!r} (incarnation {node.incarnation}, pid {node.pid}) has not yet "
                         "reattached to the restarted scheduler; it is re-admitted once known dead"),
             )
-        if node.state is NodeState.FINISHED:
+        if node.state in (NodeState.FINISHED, NodeState.STOPPED):
             return RegisterDecision(Action.REJECT, node_id, code=ErrorCode.JOB_OVER,
-                                    reason=f"node id {node_id!r} already finished its training")
+                                    reason=f"node id {node_id!r} already {node.state.value} its training")
         if not recovery:
             return RegisterDecision(Action.REJECT, node_id, code=ErrorCode.JOB_OVER,
                                     reason=f"node id {node_id!r} died and recovery is off (set TG_ENABLE_RECOVERY=1)")
@@ -233,9 +236,12 @@ def decide_failure(cluster: Cluster, node_id: str, incarnation: int | None, kind
         # the reporter is alive; somebody it talks to is not (or the network hiccupped)
         return FailureDecision(False, cluster.formed, False,
                                f"{node_id} reported a failed collective in generation {cluster.generation}: {detail}")
+    why = f"worker {node_id} (rank {node.rank}, pid {node.pid}) failed: {kind.value}" + (f": {detail}" if detail else "")
+    if node.state is NodeState.DEAD and not recovery and cluster.job is JobState.RUNNING:
+        # known dead while a replacement was still expected; now none will come (the agent gave up)
+        return FailureDecision(False, False, True, why)
     if node.state not in (NodeState.ALIVE, NodeState.UNKNOWN):
         return FailureDecision(False, False, False, f"{node_id!r} is already {node.state.value}")
-    why = f"worker {node_id} (rank {node.rank}, pid {node.pid}) failed: {kind.value}" + (f": {detail}" if detail else "")
     return FailureDecision(True, cluster.formed, not recovery, why)
 
 
@@ -291,13 +297,17 @@ def expired(cluster: Cluster, now: float, timeout: float) -> list[Node]:
             if n.state in (NodeState.ALIVE, NodeState.UNKNOWN) and now - n.last_seen > timeout]
 
 
-def apply_finish(cluster: Cluster, node_id: str) -> None:
-    """A worker finished its training cleanly; the job is done when all N have."""
+def apply_finish(cluster: Cluster, node_id: str, stopped: bool = False, detail: str = "") -> None:
+    """A worker finished its training cleanly, or stopped gracefully (`stopped`); the job is over when
+    all N have: DONE, or STOPPED if any of them stopped."""
     node = cluster.nodes.get(node_id)
     if node is None or node.state is not NodeState.ALIVE:
         return
-    node.state = NodeState.FINISHED
+    node.state = NodeState.STOPPED if stopped else NodeState.FINISHED
     cluster.joined.discard(node_id)
-    done = [n for n in cluster.nodes.values() if n.state is NodeState.FINISHED]
-    if len(done) == cluster.worker_num and cluster.job is JobState.RUNNING:
-        cluster.job = JobState.DONE
+    if stopped and not cluster.root_cause:
+        cluster.root_cause = detail or f"worker {node_id} stopped on a signal"
+    over = [n for n in cluster.nodes.values() if n.state in (NodeState.FINISHED, NodeState.STOPPED)]
+    if len(over) == cluster.worker_num and cluster.job is JobState.RUNNING:
+        stops = any(n.state is NodeState.STOPPED for n in cluster.nodes.values())
+        cluster.job = JobState.STOPPED if stops else JobState.DONE

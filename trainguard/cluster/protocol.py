@@ -117,6 +117,7 @@ class Finish(_Msg):
     incarnation: int = Field(ge=1)
     ok: bool
     detail: str = Field(default="", max_length=16384)
+    stopped: bool = False  # a graceful exit at a commit point (signal): the job ends as stopped, not done
 
 
 class ProcessExited(_Msg):
@@ -128,6 +129,7 @@ class ProcessExited(_Msg):
     exit_code: int | None = None
     signal: int | None = None
     detail: str = Field(default="", max_length=16384)
+    final: bool = False  # the agent will not restart it (strategy or budget): the job fails with this root cause
 
 
 class Status(_Msg):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..config import ClusterConfig, check_recovery_path, this_host
 from ..errors import ClusterStateError, ConfigError, ProtocolError
+from ..exitcodes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..obs.events import EventLog
 from . import membership as m
 from . import protocol as p
@@ -27,8 +28,9 @@ from .decisions import decide_agreement
 
 log = logging.getLogger("trainguard.scheduler")
 
-EXIT_CONFIG = 2  # its configuration or cluster.db was refused at start: a restart cannot help
-EXIT_JOB_FAILED = 3  # the job failed for good (a crash of the scheduler itself exits otherwise)
+# exit codes (exitcodes.py): EXIT_CONFIG, its configuration or cluster.db was refused at start; EXIT_JOB_FAILED,
+# the job failed for good (a crash of the scheduler itself exits otherwise); EXIT_PREEMPTED, the job stopped on a signal
+LINGER_MAX_S = 2.0  # a failed job's scheduler answers its survivors this long at most before it exits
 
 
 class Scheduler:
@@ -54,6 +56,8 @@ class Scheduler:
                     f"{cluster.worker_num}, or move the file aside to start a new job")
             self.events = EventLog(path / "events.jsonl")
         self.resumed = cluster is not None
+        # a dead worker fails the job unless the recover strategy replaces it (exit, dump, retry alone do not)
+        self.replaces_dead = cfg.enable_recovery and cfg.recover_strategy.restarts
         self.cluster = cluster or m.Cluster(worker_num=cfg.worker_num)
         self.kv = KVStore()
         self._agreements: dict[tuple[int, str], dict[int, dict]] = {}
@@ -89,18 +93,29 @@ class Scheduler:
         async with server:
             await self._done.wait()
             await asyncio.sleep(0.2)  # let the last replies flush
+            if self.cluster.job is m.JobState.FAILED:
+                await self._linger()
             for writer in list(self._writers):  # Python >= 3.12 waits on exit for every open connection
                 writer.close()
         monitor.cancel()
-        ok = self.cluster.job is m.JobState.DONE
-        self.events.emit("job_end", state=self.cluster.job.value, root_cause=self.cluster.root_cause)
-        if not ok:
+        job = self.cluster.job
+        self.events.emit("job_end", state=job.value, root_cause=self.cluster.root_cause)
+        if job is m.JobState.FAILED:
             print(f"trainguard: job failed: {self.cluster.root_cause}", file=sys.stderr, flush=True)
+        elif job is m.JobState.STOPPED:
+            log.info("the job stopped (%s); run it again to resume", self.cluster.root_cause)
         else:
             log.info("all %d workers finished; scheduler exits", self.cluster.worker_num)
         if self.db:
             self.db.close()
-        return 0 if ok else EXIT_JOB_FAILED
+        return {m.JobState.DONE: 0, m.JobState.STOPPED: EXIT_PREEMPTED}.get(job, EXIT_JOB_FAILED)
+
+    async def _linger(self) -> None:
+        """A failed job: keep answering (status, finish) until the live workers have left, at most
+        LINGER_MAX_S, so survivors can learn who died (dump) and say goodbye."""
+        deadline = time.monotonic() + min(self.cfg.heartbeat_timeout, LINGER_MAX_S)
+        while self._liveness and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -253,10 +268,11 @@ class Scheduler:
         c = self.cluster
         return p.HeartbeatAck(generation=c.generation, formed=c.formed, job_over=c.job is not m.JobState.RUNNING)
 
-    async def _fail(self, node_id: str, incarnation: int | None, kind: p.FailureKind, detail: str) -> None:
+    async def _fail(self, node_id: str, incarnation: int | None, kind: p.FailureKind, detail: str, *,
+                    final: bool = False) -> None:
         c = self.cluster
         node = c.nodes.get(node_id)
-        d = m.decide_failure(c, node_id, incarnation, kind, detail, recovery=self.cfg.enable_recovery)
+        d = m.decide_failure(c, node_id, incarnation, kind, detail, recovery=self.replaces_dead and not final)
         if not (d.mark_dead or d.bump or d.fail_job):
             return
         before = c.generation
@@ -282,7 +298,7 @@ class Scheduler:
             return p.Ok()  # an old incarnation, already replaced
         how = f"killed by signal {req.signal}" if req.signal else f"exited with code {req.exit_code}"
         detail = how + (f"\n{req.detail}" if req.detail else "")
-        await self._fail(req.node_id, node.incarnation, p.FailureKind.EXITED, detail)
+        await self._fail(req.node_id, node.incarnation, p.FailureKind.EXITED, detail, final=req.final)
         return p.Ok()
 
     async def _on_finish(self, req: p.Finish):
@@ -292,9 +308,9 @@ class Scheduler:
         if not req.ok:
             await self._fail(req.node_id, req.incarnation, p.FailureKind.EXCEPTION, req.detail)
             return p.Ok()
-        m.apply_finish(self.cluster, req.node_id)
+        m.apply_finish(self.cluster, req.node_id, req.stopped, req.detail)
         self._persist()
-        self.events.emit("finished", node=req.node_id, rank=node.rank)
+        self.events.emit("stopped" if req.stopped else "finished", node=req.node_id, rank=node.rank)
         await self._notify()
         return p.Ok()
 

@@ -3,8 +3,9 @@
 It starts the workers (and, at node rank 0, the scheduler), waits on each with waitpid in a
 thread (so exits are seen at once and in the order they happened), reports each death to
 the scheduler at once, restarts in place while the job-wide restart
-budget lasts, forwards SIGINT/SIGTERM (workers first, scheduler last) and prefixes every
-line a child prints. A restarted worker is, when one is warm, a hot spare that already
+budget lasts (and the recover strategy replaces dead workers), forwards SIGINT/SIGTERM/SIGUSR1
+(workers first, scheduler last; the workers then save a dying-gasp checkpoint within the grace
+period and exit 75, and so does the agent) and prefixes every line a child prints. A restarted worker is, when one is warm, a hot spare that already
 imported torch (spares.py) rather than a fresh process. What to do about an exit is decided
 by the pure functions in policy.py; `Supervisor` carries the decisions out.
 """
@@ -27,8 +28,8 @@ from ..config import Role
 from ..errors import ConfigError
 from ..obs.events import EventLog, format_recovery, summarize_recovery
 from .policy import (
-    Action, Failure, LaunchSpec, decide_exit, exit_code_for, failure_summary, scheduler_env, signal_exit_code,
-    signal_name, spare_env, worker_env,
+    Action, Failure, LaunchSpec, decide_exit, ended_exit, exit_code_for, failure_summary, scheduler_env,
+    signal_name, signalled_exit, spare_env, worker_env,
 )
 from .spares import SparePool, activate
 
@@ -116,6 +117,8 @@ class Supervisor:
             self.spares = SparePool(spec.script, spare_env(base, spec), spec.hot_spares, say=self._say)
         self.restarts_used = 0
         self.root: Failure | None = None
+        self.preempted = False  # a worker exited 75: the job is stopping gracefully, nothing is restarted
+        self.fault_stops: list[Failure] = []  # workers that left (76) because the job stops after a fault
         self._signals: list[int] = []
         self._lock = threading.Lock()
         self._can_report = True
@@ -137,6 +140,7 @@ class Supervisor:
             self._say(f"{'starting' if spec.hosts_scheduler else 'using'} scheduler at {spec.sched_host}:{spec.sched_port}; "
                       f"{spec.nproc_per_node} worker{'s' * (spec.nproc_per_node != 1)} on node rank {spec.node_rank} of {spec.nnodes}; "
                       f"max restarts {spec.max_restarts}; {spares} hot spare{'s' * (spares != 1)}; "
+                      f"recover strategy {spec.recover_strategy}; grace period {spec.grace_s:g} s; "
                       f"recovery path {spec.recovery_path}")
             if spec.log_dir is not None:
                 spec.log_dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +168,7 @@ class Supervisor:
                 signum = self._signals[0]
                 self._say(f"received {signal_name(signum)}; forwarding it to the workers, then the scheduler")
                 self._stop(signum)
-                return signal_exit_code(signum)
+                return self._signalled_code(signum)
             try:
                 child, popen, rc = self._exits.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
@@ -176,11 +180,24 @@ class Supervisor:
                 return code
             if all(w.done for w in self.workers):
                 self._finish()
-                return 0
+                return self._final_code()
+
+    def _final_code(self) -> int:
+        code, message = ended_exit(self.preempted, self.fault_stops, self.root, self.restarts_used)
+        if message:
+            print(message, file=self.err, flush=True)
+        return code
+
+    def _signalled_code(self, signum: int) -> int:
+        code, message = signalled_exit([w.popen.returncode for w in self.workers if w.popen is not None], signum)
+        if message:
+            print(message, file=self.err, flush=True)
+        return code
 
     def _on_exit(self, child: Child, rc: int) -> int | None:
         """Carry out the decision for one exit; return the agent's exit code if the job is over."""
-        decision = decide_exit(child.role, rc, self.restarts_used, self.spec.max_restarts)
+        decision = decide_exit(child.role, rc, self.restarts_used, self.spec.max_restarts, self.spec.recover_strategy,
+                               stopping=self.preempted)
         if decision.action is Action.FINISHED:
             child.done = True
             return None
@@ -189,10 +206,17 @@ class Supervisor:
             pump.join(PUMP_DRAIN_S)
         with self._lock:
             failure = Failure(child.name, child.popen.pid, rc, tuple(child.tail), child.role)
+        if decision.action in (Action.PREEMPTED, Action.STOPPED):  # it left on purpose: no restart, no report
+            child.done = True
+            self.preempted = self.preempted or decision.action is Action.PREEMPTED
+            if decision.action is Action.STOPPED:
+                self.fault_stops.append(failure)
+            self._say(f"{failure.describe()}: {decision.reason}")
+            return None
         self.root = self.root or failure
         self._say(failure.describe())
         if child.role is Role.WORKER:
-            self._report(child, failure)
+            self._report(child, failure, final=decision.action is Action.GIVE_UP)
         if decision.action is Action.RESTART:
             self.restarts_used += 1
             child.restarts += 1
@@ -201,7 +225,8 @@ class Supervisor:
             return None
         self._say(f"stopping the job: {decision.reason}")
         self._stop(signal.SIGTERM)
-        print(failure_summary(self.root, self.restarts_used), file=self.err, flush=True)
+        print(failure_summary(self.root, self.restarts_used, failure, self.spec.max_restarts), file=self.err,
+              flush=True)
         return exit_code_for(self.root.returncode)
 
     def _finish(self) -> None:
@@ -321,8 +346,9 @@ class Supervisor:
 
     # --- reporting -------------------------------------------------------------------
 
-    def _report(self, child: Child, failure: Failure) -> None:
-        """Tell the scheduler about a dead worker right away (best effort)."""
+    def _report(self, child: Child, failure: Failure, *, final: bool = False) -> None:
+        """Tell the scheduler about a dead worker right away (best effort); `final`: it is not replaced,
+        so the scheduler ends the job with this root cause and the survivors leave."""
         sched = self.scheduler
         if not self._can_report or (sched is not None and not sched.alive()):
             return
@@ -337,7 +363,7 @@ class Supervisor:
         address = (self.spec.sched_host, self.spec.sched_port)
         try:
             ok = report_exit(address, child.node_id or "", failure.pid, code, sig,
-                             "\n".join(failure.tail), timeout=REPORT_TIMEOUT_S)
+                             "\n".join(failure.tail), timeout=REPORT_TIMEOUT_S, final=final)
         except Exception as exc:  # a failed report must never block the restart
             self._say(f"reporting the exit of {child.name} failed: {exc!r}")
             return
@@ -360,7 +386,7 @@ class Supervisor:
         if threading.current_thread() is not threading.main_thread():
             return {}
         previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             previous[sig] = signal.signal(sig, lambda signum, _frame: self._signals.append(signum))
         return previous
 

@@ -1,4 +1,4 @@
-"""`trainguard` command line: `scheduler` and `run` (room is left for `ckpt` and `chaos`).
+"""`trainguard` command line: `scheduler`, `run`, `ckpt` and `chaos`.
 
 Flag names follow torchrun where they mean the same (`--nproc-per-node`, `--nnodes`,
 `--node-rank`, `--max-restarts`, `--log-dir`; `--master-addr/--master-port` are aliases of
@@ -21,8 +21,10 @@ from ..config import (
     RECOVERY_PATH_ENV, ROLE_ENV, SCHED_HOST_ENV, SCHED_PORT_ENV, WORKER_NUM_ENV, Role,
     check_recovery_path, from_env,
 )
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
+from . import chaos
 from .agent import Supervisor
+from .jobfile import merge_job_file, resolve_strategy
 from .policy import EXIT_CONFIG, LaunchSpec, set_env
 
 DEFAULT_SCHED_HOST = "127.0.0.1"
@@ -40,16 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     sched.set_defaults(handler=_scheduler)
 
     run = sub.add_parser("run", help="start and supervise this host's workers (and the scheduler on node rank 0)")
-    run.add_argument("--workers", "--nproc-per-node", "--nproc_per_node", dest="workers", type=int, default=1,
+    run.add_argument("--workers", "--nproc-per-node", "--nproc_per_node", dest="workers", type=int,
                      help="worker processes on this host (default 1)")
-    run.add_argument("--nnodes", type=int, default=1, help="number of hosts (default 1)")
-    run.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+    run.add_argument("--nnodes", type=int, help="number of hosts (default 1)")
+    run.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int,
                      help="this host's rank; rank 0 starts the scheduler (default 0)")
     run.add_argument("--sched-host", "--master-addr", "--master_addr", dest="sched_host",
                      help=f"scheduler address (default TG_SCHED_HOST, else {DEFAULT_SCHED_HOST})")
     run.add_argument("--sched-port", "--master-port", "--master_port", dest="sched_port", type=int,
                      help="scheduler port (default TG_SCHED_PORT, else a free port; required with --nnodes > 1)")
-    run.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=3,
+    run.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
                      help="restarts allowed for the whole job; 0 turns recovery off (default 3)")
     run.add_argument("--hot-spares", "--hot_spares", dest="hot_spares", type=int,
                      help="warm processes (torch already imported) kept to replace a dead worker in well "
@@ -58,10 +60,32 @@ def build_parser() -> argparse.ArgumentParser:
                      help="directory for cluster.db and events (default TG_RECOVERY_PATH, else a new temp dir)")
     run.add_argument("--log-dir", "--log_dir", dest="log_dir", type=Path,
                      help="also write each child's output to DIR/worker_<node id>.log and DIR/scheduler.log")
-    run.add_argument("script", help="the training script")
+    run.add_argument("--recover-strategy", dest="recover_strategy",
+                     help="what a fault leads to: retry, recover-in-place, dump, exit (recover, elastic: not yet), "
+                          "combined with commas (default TG_RECOVER_STRATEGY, else recover-in-place)")
+    run.add_argument("--max-retries", dest="max_retries", type=int,
+                     help="in-process retries of a failed step in a row (default TG_MAX_RETRIES, else 3)")
+    run.add_argument("--grace-period", dest="grace_period", type=float,
+                     help="seconds from SIGTERM/SIGINT/SIGUSR1 to SIGKILL, for the dying-gasp checkpoint "
+                          "(default TG_GRACE_PERIOD, else 10)")
+    run.add_argument("--config", type=Path, help="a job file (YAML or JSON) with these flags; flags win over it")
+    run.add_argument("script", nargs="?", help="the training script (or `script:` in --config)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_run)
-    # later: `ckpt` (inspect/convert checkpoints) and `chaos` (fault injection) register here.
+
+    ckpt = sub.add_parser("ckpt", help="list, verify, inspect and repair checkpoints")
+    cmds = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    ls = cmds.add_parser("ls", help="the checkpoints in DIR, oldest step first")
+    ls.add_argument("path", type=Path, metavar="DIR")
+    cmds.add_parser("verify", help="hash every file against the manifest").add_argument("path", type=Path)
+    inspect = cmds.add_parser("inspect", help="step, files, layout and every tensor's slices")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--json", action="store_true", help="print the manifest as it is")
+    recover = cmds.add_parser("recover", help="rebuild a rank's missing or corrupt file from its replicas")
+    recover.add_argument("path", type=Path)
+    recover.add_argument("--rank", type=int, required=True)
+    ckpt.set_defaults(handler=_ckpt)
+    chaos.add_parser(sub)
     return parser
 
 
@@ -69,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         print(f"trainguard {args.command}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
 
@@ -91,6 +115,19 @@ def _scheduler(args: argparse.Namespace) -> int:
     return run_scheduler(cfg)
 
 
+# --- ckpt -------------------------------------------------------------------------------
+
+
+def _ckpt(args: argparse.Namespace) -> int:
+    from ..checkpoint import cli_cmds  # lazy: imports torch
+
+    if args.ckpt_command == "recover":
+        return cli_cmds.recover(args.path, args.rank)
+    if args.ckpt_command == "inspect":
+        return cli_cmds.inspect(args.path, args.json)
+    return getattr(cli_cmds, args.ckpt_command)(args.path)
+
+
 # --- run --------------------------------------------------------------------------------
 
 
@@ -109,10 +146,13 @@ def _first(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | 
 
 
 def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
-    """Flags (then env) → a validated LaunchSpec with the port and recovery path chosen."""
+    """Flags (then the --config file, then env) → a validated LaunchSpec with the port and recovery path chosen."""
+    args = merge_job_file(args)
+    strategy, grace = resolve_strategy(args, env)
     spec = LaunchSpec(script=args.script, script_args=tuple(args.script_args), nproc_per_node=args.workers,
                       nnodes=args.nnodes, node_rank=args.node_rank, sched_port=args.sched_port or 0,
-                      max_restarts=args.max_restarts, hot_spares=_hot_spares(args))
+                      max_restarts=args.max_restarts, hot_spares=_hot_spares(args), recover_strategy=strategy,
+                      grace_s=grace)
     if not Path(args.script).is_file():
         raise ConfigError(f"script {args.script!r} not found")
     host_env, port_env = _first(env, SCHED_HOST_ENV), _first(env, SCHED_PORT_ENV)

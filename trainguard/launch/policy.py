@@ -14,15 +14,18 @@ from pathlib import Path
 from typing import Mapping
 
 from ..config import (
-    ENABLE_RECOVERY_ENV, LOCAL_RANK_ENV, NODE_ID_ENV, RECOVERY_PATH_ENV, ROLE_ENV,
-    SCHED_HOST_ENV, SCHED_PORT_ENV, TORCHRUN_LOCAL_RANK, WORKER_NUM_ENV, Role,
+    DEFAULT_GRACE_PERIOD_S, ENABLE_RECOVERY_ENV, GRACE_PERIOD_ENV, LOCAL_RANK_ENV, MAX_RETRIES_ENV, NODE_ID_ENV,
+    RECOVER_STRATEGY_ENV, RECOVERY_PATH_ENV, ROLE_ENV, SCHED_HOST_ENV, SCHED_PORT_ENV, TORCHRUN_LOCAL_RANK,
+    WORKER_NUM_ENV, Role,
 )
 from ..errors import ConfigError
+from ..exitcodes import EXIT_CONFIG, EXIT_FAULT_STOP, EXIT_JOB_FAILED, EXIT_PREEMPTED
+from ..recovery.strategies import DEFAULT_STRATEGY, RecoverStrategy, parse_strategy
 
-DEFAULT_GRACE_S = 10.0
+DEFAULT_GRACE_S = DEFAULT_GRACE_PERIOD_S  # one setting: --grace-period, TG_GRACE_PERIOD
 DEFAULT_SCHED_EXIT_WAIT_S = 15.0
-EXIT_CONFIG = 2  # bad input; a scheduler exiting 2 rejected its config and is not restarted
-EXIT_JOB_FAILED = 3  # the scheduler ended the job as failed (root cause on its stderr): not restarted
+# EXIT_CONFIG: a scheduler exiting 2 rejected its config; EXIT_JOB_FAILED: it ended the job as failed (root
+# cause on its stderr). Neither is restarted. EXIT_PREEMPTED, EXIT_FAULT_STOP: see exitcodes.py.
 
 
 # --- decisions (pure) ------------------------------------------------------------
@@ -32,6 +35,8 @@ class Action(enum.Enum):
     FINISHED = "finished"  # exited 0
     RESTART = "restart"
     GIVE_UP = "give_up"
+    PREEMPTED = "preempted"  # a graceful exit (75): no restart; the agent exits 75 once every worker has left
+    STOPPED = "stopped"  # left because the job stops after a fault elsewhere (76): a consequence, not a cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,14 +45,29 @@ class Decision:
     reason: str
 
 
-def decide_exit(role: Role, returncode: int, restarts_used: int, max_restarts: int) -> Decision:
-    """What to do when a child exits; `returncode` < 0 means killed by signal -returncode."""
+_DEFAULT_STRATEGY = parse_strategy(DEFAULT_STRATEGY)
+
+
+def decide_exit(role: Role, returncode: int, restarts_used: int, max_restarts: int,
+                strategy: RecoverStrategy = _DEFAULT_STRATEGY, *, stopping: bool = False) -> Decision:
+    """What to do when a child exits; `returncode` < 0 means killed by signal -returncode.
+    `stopping`: the job is already ending (a graceful exit began), so nothing is restarted."""
     if returncode == 0:
         return Decision(Action.FINISHED, "exited with code 0")
     if role is Role.SCHEDULER and returncode == EXIT_CONFIG:
         return Decision(Action.GIVE_UP, "the scheduler rejected its configuration; a restart cannot help")
     if role is Role.SCHEDULER and returncode == EXIT_JOB_FAILED:
         return Decision(Action.GIVE_UP, "the scheduler ended the job as failed")
+    if role is Role.SCHEDULER and returncode == EXIT_PREEMPTED:
+        return Decision(Action.FINISHED, "the scheduler ended the job as stopped")
+    if role is Role.WORKER and returncode == EXIT_PREEMPTED:
+        return Decision(Action.PREEMPTED, "stopped gracefully; run the same command again to resume")
+    if role is Role.WORKER and returncode == EXIT_FAULT_STOP:
+        return Decision(Action.STOPPED, "stopped because the job stops after a fault")
+    if stopping:
+        return Decision(Action.STOPPED, "the job is stopping; no restart")
+    if role is Role.WORKER and not strategy.restarts:
+        return Decision(Action.GIVE_UP, f"the recover strategy is {strategy}: a dead worker is not replaced")
     if restarts_used < max_restarts:
         return Decision(Action.RESTART, f"restart {restarts_used + 1}/{max_restarts}")
     if max_restarts == 0:
@@ -91,8 +111,10 @@ class Failure:
         return describe_exit(self.name, self.pid, self.returncode)
 
 
-def failure_summary(root: Failure, restarts_used: int) -> str:
-    """The one message printed when the job fails for good."""
+def failure_summary(root: Failure, restarts_used: int, last: Failure | None = None,
+                    max_restarts: int | None = None) -> str:
+    """The one message printed when the job fails for good: the restarts used (of the job-wide
+    budget), the root cause (the first failure) and, if another one ended the job, that one."""
     if root.role is Role.SCHEDULER and root.returncode == EXIT_JOB_FAILED:
         head = f"trainguard: the scheduler (pid {root.pid}) ended the job as failed; its last lines give the root cause"
     elif restarts_used:
@@ -100,9 +122,38 @@ def failure_summary(root: Failure, restarts_used: int) -> str:
         head = f"trainguard: giving up after {restarts_used} {plural}; root cause: {root.describe()}"
     else:
         head = f"trainguard: {root.describe()}"
+    if max_restarts is not None and restarts_used >= max_restarts and not (
+            root.role is Role.SCHEDULER and root.returncode == EXIT_JOB_FAILED):
+        head += f"\n  max restarts: {restarts_used} of {max_restarts} used (--max-restarts counts the whole job)"
+    if last is not None and last is not root:
+        head += f"\n  last failure: {last.describe()}"
+        root = last if last.tail else root
     if not root.tail:
         return head
     return "\n".join([head, f"last stderr lines of {root.name}:", *("    " + ln for ln in root.tail)])
+
+
+def ended_exit(preempted: bool, fault_stops: list[Failure], root: Failure | None,
+               restarts_used: int) -> tuple[int, str]:
+    """Every worker has left: (the agent's exit code, its last message). 75 after a graceful exit; after
+    a stop on a fault, the root cause's code (the first worker that stopped if nothing else failed); else 0."""
+    if fault_stops and not preempted:
+        cause = root or fault_stops[0]
+        return exit_code_for(cause.returncode), failure_summary(cause, restarts_used)
+    if preempted:
+        return EXIT_PREEMPTED, ("trainguard: the job stopped gracefully (exit code 75) at a commit point; run the "
+                                "same command again to resume from its dying-gasp checkpoint")
+    return 0, ""
+
+
+def signalled_exit(codes: list[int | None], signum: int) -> tuple[int, str]:
+    """After the agent forwarded signal `signum`: 75 if the workers left gracefully (75, or 0 when they had
+    finished anyway), else 128 + signum."""
+    if EXIT_PREEMPTED in codes and all(c in (0, EXIT_PREEMPTED) for c in codes):
+        return EXIT_PREEMPTED, (f"trainguard: stopped on {signal_name(signum)}: every worker left at a commit "
+                                "point after its dying-gasp checkpoint (if one is configured); run the same "
+                                "command again to resume")
+    return signal_exit_code(signum), ""
 
 
 # --- what the children are started with -------------------------------------------
@@ -123,8 +174,9 @@ class LaunchSpec:
     hot_spares: int = 0  # warm processes kept to replace dead workers (the CLI defaults to 1 with restarts on)
     recovery_path: Path | None = None
     log_dir: Path | None = None
-    grace_s: float = DEFAULT_GRACE_S
+    grace_s: float = DEFAULT_GRACE_S  # --grace-period / TG_GRACE_PERIOD: signal -> dying-gasp save -> SIGKILL
     sched_exit_wait_s: float = DEFAULT_SCHED_EXIT_WAIT_S
+    recover_strategy: RecoverStrategy = _DEFAULT_STRATEGY
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -140,7 +192,8 @@ class LaunchSpec:
         if not 0 <= self.sched_port <= 65535:
             raise ConfigError(f"--sched-port must be in 1..65535, got {self.sched_port}")
         if self.grace_s <= 0 or self.sched_exit_wait_s < 0:
-            raise ConfigError("the grace period must be > 0 and the scheduler exit wait >= 0 seconds")
+            raise ConfigError(f"--grace-period must be > 0 seconds (got {self.grace_s:g}) and the scheduler exit "
+                              "wait >= 0")
 
     @property
     def world_size(self) -> int:
@@ -153,7 +206,7 @@ class LaunchSpec:
     @property
     def uses_hot_spares(self) -> bool:
         """Spares only replace workers, so without restarts they would never be used."""
-        return self.hot_spares > 0 and self.max_restarts > 0
+        return self.hot_spares > 0 and self.max_restarts > 0 and self.recover_strategy.restarts
 
     @property
     def hosts_scheduler(self) -> bool:
@@ -179,6 +232,9 @@ def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[
     set_env(env, WORKER_NUM_ENV, str(spec.world_size))
     set_env(env, ENABLE_RECOVERY_ENV, "1" if spec.enable_recovery else "0")
     set_env(env, RECOVERY_PATH_ENV, str(spec.recovery_path) if spec.recovery_path else None)
+    env[GRACE_PERIOD_ENV] = f"{spec.grace_s:g}"
+    env[RECOVER_STRATEGY_ENV] = str(spec.recover_strategy)
+    env[MAX_RETRIES_ENV] = str(spec.recover_strategy.max_retries)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

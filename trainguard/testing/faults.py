@@ -1,22 +1,31 @@
 """Inject faults at chosen steps: `fail_at(rank, step, how)`, or TG_FAULT="rank:step:how[:life],...".
 
 how: kill (SIGKILL itself), term (SIGTERM), stop (SIGSTOP: a hang), raise (an exception out of the
-loop), sched (SIGKILL the scheduler). A fault fires after step `step` commits, in the process's
-`life`-th incarnation only (default 1), so a replacement does not fire it again.
-Each firing is logged as a `fault_injected` event first, which is what MTTR is measured from.
+loop), sched (SIGKILL the scheduler), collective (the next step fails on this rank as a failed gloo
+collective does: the error is recorded inside the step, with every process alive). A fault fires
+after step `step` commits, in the process's `life`-th incarnation only (default 1), so a
+replacement does not fire it again; a collective fault fires once per process (a retried step
+does not fail again). Each firing is logged as a `fault_injected` event first, which is what
+MTTR is measured from.
+
+TG_FAULT_SLOW_SAVE=S makes every dying-gasp checkpoint file take S seconds longer to write (it
+sleeps after each file, before the manifest): a save the grace period cannot hold.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..train.callbacks import Callback
 
 FAULT_ENV = "TG_FAULT"
-HOWS = ("kill", "term", "stop", "raise", "sched")
+SLOW_SAVE_ENV = "TG_FAULT_SLOW_SAVE"
+HOWS = ("kill", "term", "stop", "raise", "sched", "collective")
 
 
 class InjectedFault(RuntimeError):
@@ -58,18 +67,34 @@ def faults_from_env(env=None) -> list[Fault]:
 class FaultInjector(Callback):
     def __init__(self, faults: list[Fault]):
         self.faults = list(faults)
+        self._fired: set[Fault] = set()
+
+    def _due(self, f: Fault, session) -> bool:
+        rt = session.rt
+        return f.rank == rt.rank and f.step == session.step and f.life == rt.incarnation and f not in self._fired
+
+    def on_step_begin(self, session, step) -> None:
+        for f in self.faults:
+            if f.how == "collective" and self._due(f, session):
+                self._fired.add(f)
+                fire(f, session.rt)
+                # what the gradient hook records when gloo fails under it (parallel.py): the step goes on
+                session.record_error(RuntimeError(
+                    f"[trainguard.testing] gloo: Connection reset by peer (injected collective fault in step "
+                    f"{f.step + 1} on rank {f.rank})"))
 
     def on_step_end(self, session) -> None:
-        rt = session.rt
         for f in self.faults:
-            if f.rank == rt.rank and f.step == session.step and f.life == rt.incarnation:
-                fire(f, rt)
+            if f.how != "collective" and self._due(f, session):
+                fire(f, session.rt)
 
 
 def fire(f: Fault, rt) -> None:
     rt.events.emit("fault_injected", rank=f.rank, step=f.step, how=f.how, node=rt.node_id,
                    generation=rt.generation)
     print(f"trainguard.testing: injecting {f.how} at step {f.step} on rank {f.rank}", flush=True)
+    if f.how == "collective":
+        return
     if f.how == "raise":
         raise InjectedFault(f"injected fault at step {f.step} on rank {f.rank}")
     if f.how == "sched":
@@ -77,3 +102,38 @@ def fire(f: Fault, rt) -> None:
         return
     sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[f.how]
     os.kill(os.getpid(), sig)
+
+
+def slow_dying_gasp_writes(seconds: float) -> None:
+    """Make each file of a dying-gasp checkpoint take `seconds` longer (after writing it, before the
+    manifest): a test hook for grace periods too short for the save. Regular saves are untouched."""
+    from ..checkpoint import format as fmt
+    from ..recovery.dump import GASP_THREAD
+
+    real = getattr(fmt, "write_shard", None)
+    if real is None:
+        raise ConfigError(f"{SLOW_SAVE_ENV}: this checkpoint writer has no write_shard to slow down")
+    if getattr(real, "_slowed", False):
+        return
+
+    def slow(path, tensors):
+        out = real(path, tensors)
+        if threading.current_thread().name == GASP_THREAD:
+            time.sleep(seconds)
+        return out
+
+    slow._slowed = True
+    fmt.write_shard = slow
+
+
+def slow_saves_from_env(env=None) -> None:
+    raw = (os.environ if env is None else env).get(SLOW_SAVE_ENV, "").strip()
+    if not raw:
+        return
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ConfigError(f"{SLOW_SAVE_ENV}={raw!r} is invalid: expected a number of seconds > 0")
+    slow_dying_gasp_writes(seconds)

@@ -1,6 +1,7 @@
 """Callbacks for Model.train (and any Session): loss and step-time monitors in the seeds' style.
 
-A callback may define on_train_begin(session), on_step_end(session), on_train_end(session).
+A callback may define on_train_begin(session), on_step_begin(session, step), on_step_end(session)
+and on_train_end(session).
 `session.last_loss` holds the loss of the step just committed, `session.last_step` that step.
 """
 
@@ -14,6 +15,9 @@ import numpy as np
 
 class Callback:
     def on_train_begin(self, session) -> None:
+        pass
+
+    def on_step_begin(self, session, step) -> None:
         pass
 
     def on_step_end(self, session) -> None:

@@ -34,12 +34,12 @@ class Model:
                           drop_last=True)
 
     def train(self, epoch: int, train_dataset: Dataset | DataLoader, callbacks=(), *, batch_size: int | None = None,
-              shuffle: bool = True, seed: int = 0, snapshot_every: int = 1) -> Session:
+              shuffle: bool = True, seed: int = 0, snapshot_every: int = 1, retriable=()) -> Session:
         loader = self._loader(train_dataset, batch_size, shuffle, seed)
         state = TrainState(model=self.parallel, optimizer=self.optimizer, scheduler=self.scheduler, loader=loader)
         disk = next((cb for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)
-        session = Session(state, SessionConfig(epochs=epoch, snapshot_every=snapshot_every), checkpoint=disk,
-                          callbacks=callbacks)
+        session = Session(state, SessionConfig(epochs=epoch, snapshot_every=snapshot_every, retriable=retriable),
+                          checkpoint=disk, callbacks=callbacks)
         self.session = session
         for cb in callbacks:
             if hasattr(cb, "on_train_begin"):

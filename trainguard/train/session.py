@@ -9,77 +9,36 @@ generation), the session runs the recovery protocol instead of committing:
 
 Otherwise it commits: counters advance, a snapshot is taken (every `snapshot_every` steps)
 and replicated, and callbacks run. The loop itself never changes for the user.
+
+What a failed step leads to follows the recover strategy (recovery/strategies.py): a rollback
+in process (retry, recover-in-place; at most `max_retries` in a row while nobody was restarted),
+or a stop (exit, dump: train/graceful.py). A stop request (SIGTERM, SIGINT, SIGUSR1) rides on the
+commit point's all-gather, so every rank stops at the same committed step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Iterator
-
-import torch.distributed as dist
 
 from .. import runtime as rt_mod
 from ..checkpoint.blob import pack, pack_flat, unpack
 from ..checkpoint.codec import flatten_state, unflatten_state
-from ..errors import ConfigError, FencedError, RecoveryError
+from ..checkpoint.manager import DiskSources
+from ..errors import ClusterFailed, ConfigError, FencedError, RecoveryError, Retriable
 from ..recovery.plan import lost_steps
-from ..recovery.transfer import all_gather_bytes, recv_bytes, send_bytes
+from ..recovery.transfer import all_gather_flagged, all_max, recv_bytes, send_bytes
+from . import parallel_strategy
 from .data import ShardedSampler
+from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .snapshots import Snapshot, SnapshotStore
 from .state import TrainState, capture_rng, load_rng
+from .step import SessionConfig, Step, is_collective_failure
+
+__all__ = ["Session", "SessionConfig", "Step", "is_collective_failure"]
 
 log = logging.getLogger("trainguard.session")
-
-_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
-                       "timeout", "socket")
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _COLLECTIVE_MARKERS)
-
-
-@dataclass(kw_only=True, slots=True)
-class SessionConfig:
-    epochs: int = 1
-    max_steps: int | None = None  # stop after this many steps in all (default: epochs x steps per epoch)
-    snapshot_every: int = 1  # in-memory snapshot every k steps
-    keep_snapshots: int = 2
-    agree_timeout: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.epochs < 1:
-            raise ConfigError(f"epochs must be >= 1, got {self.epochs}")
-        if self.max_steps is not None and self.max_steps < 0:
-            raise ConfigError(f"max_steps must be >= 0, got {self.max_steps}")
-        if self.snapshot_every < 1:
-            raise ConfigError(f"snapshot_every must be >= 1, got {self.snapshot_every}")
-        if self.keep_snapshots < 2:
-            raise ConfigError("keep_snapshots must be >= 2 (ranks can be one step apart when a peer dies)")
-
-
-class Step:
-    """One training step. Use `with step:` around its body so a failed collective is caught."""
-
-    __slots__ = ("session", "index", "epoch", "in_epoch", "batch", "failure")
-
-    def __init__(self, session: "Session", index: int, epoch: int, in_epoch: int, batch):
-        self.session, self.index, self.epoch, self.in_epoch, self.batch = session, index, epoch, in_epoch, batch
-        self.failure: BaseException | None = None
-
-    def __enter__(self) -> "Step":
-        return self
-
-    def __exit__(self, tp, exc, tb) -> bool:
-        if exc is None:
-            return False
-        if is_collective_failure(exc) or self.session.rt.membership_changed():
-            self.failure = exc
-            return True
-        return False
 
 
 class Session:
@@ -90,11 +49,12 @@ class Session:
         self.rt = runtime or rt_mod.current()
         self.checkpoint = checkpoint  # a DiskCheckpointer (ModelCheckpoint) or None
         self.callbacks = list(callbacks)
-        from ..testing.faults import FaultInjector, faults_from_env
+        from ..testing.faults import FaultInjector, faults_from_env, slow_saves_from_env
 
         env_faults = faults_from_env()
         if env_faults:  # TG_FAULT: chaos-test any job without changing its code
             self.callbacks.append(FaultInjector(env_faults))
+        slow_saves_from_env()
         self.snapshots = SnapshotStore(self.cfg.keep_snapshots)
         self.step = 0  # completed steps
         self.epoch = 0
@@ -106,6 +66,16 @@ class Session:
         self._pending_report: float | None = None
         self.last_loss = None  # set by the training body (Model.train) for monitors
         self.last_step: Step | None = None
+        self.strategy = self.rt.cfg.recover_strategy
+        self.stop = StopRequest()
+        self._retries = 0  # in-process rollbacks in a row with nobody restarted
+        self._members: frozenset | None = None
+        self.disk_sources = DiskSources(checkpoint, *self.callbacks)
+        self.gasp_savers = [c for c in self.disk_sources if c.saves_dying_gasp]
+        if self.strategy.dump and not self.gasp_savers:
+            raise ConfigError(f"the recover strategy {self.strategy} dumps a dying-gasp checkpoint on a fault, but "
+                              "this session has nowhere to write it: add ModelCheckpoint(..., CheckpointConfig("
+                              "exception_save=True)) or ExceptionCheckpoint(...) to its callbacks")
 
     # --- data -----------------------------------------------------------------------------
 
@@ -150,36 +120,55 @@ class Session:
         """Called by the gradient hook: a collective failed during this step."""
         self._errors.append(exc)
 
-    def steps(self) -> Iterator[Step]:
-        self._recover(form=False, reason="")
-        while True:
-            if self.step >= self.total_steps:
-                if self._finish():
-                    return
-                continue
-            step = Step(self, self.step, self.epoch, self.in_epoch, self._next_batch())
-            self.rt.step = self.step
-            yield step
-            failure = step.failure or (self._errors[0] if self._errors else None)
-            if failure is None and self.rt.membership_changed():
-                failure = RuntimeError(f"the cluster moved to generation {self.rt.heart.generation_seen}")
-            if failure is None:
-                try:
-                    self._commit()
-                    continue
-                except RuntimeError as exc:
-                    if not is_collective_failure(exc):
-                        raise
-                    failure = exc
-            self._recover(form=True, reason=f"step {step.index}: {str(failure)[:300]}")
+    def is_retriable(self, exc: BaseException) -> bool:
+        return self.strategy.retry and isinstance(exc, (Retriable, *self.cfg.retriable))
 
-    def _commit(self) -> None:
+    def steps(self) -> Iterator[Step]:
+        with self.stop.armed():  # SIGTERM/SIGINT/SIGUSR1 now ask for a graceful exit at a commit point
+            self._recover(form=False, reason="")
+            self._members = self.rt.members
+            parallel_strategy.write_for(self)
+            while True:
+                if self.step >= self.total_steps:
+                    if self._finish():
+                        return
+                    continue
+                step = Step(self, self.step, self.epoch, self.in_epoch, self._next_batch())
+                self.rt.step = self.step
+                for cb in self.callbacks:
+                    if hasattr(cb, "on_step_begin"):
+                        cb.on_step_begin(self, step)
+                yield step
+                failure = step.failure or (self._errors[0] if self._errors else None)
+                if failure is None and self.rt.membership_changed():
+                    failure = RuntimeError(f"the cluster moved to generation {self.rt.heart.generation_seen}")
+                if failure is None:
+                    try:
+                        stop = self._commit()
+                    except RuntimeError as exc:
+                        if not is_collective_failure(exc):
+                            raise
+                        failure = exc
+                    else:
+                        if stop and self.step < self.total_steps:  # after the last step: just finish
+                            stop_gracefully(self, stop)
+                        continue
+                reason = f"step {step.index}: {type(failure).__name__}: {str(failure)[:300]}"
+                if not self.strategy.rolls_back:
+                    stop_on_fault(self, reason)
+                self._recover(form=True, reason=reason)
+
+    def _commit(self) -> int:
+        """Commit the step; returns the stop vote (a signal number if any rank was asked to stop, else 0)."""
         self.step += 1
         self.in_epoch += 1
+        self._retries = 0
         if self.steps_per_epoch and self.in_epoch >= self.steps_per_epoch:
             self.epoch, self.in_epoch, self._iter = self.epoch + 1, 0, None
         if self.step % self.cfg.snapshot_every == 0 or self.in_epoch == 0 or self.step == self.total_steps:
-            self._snapshot()
+            stop = self._snapshot()
+        else:
+            stop = all_max(self.stop.signum, self.rt.group)
         if self._pending_report is not None:
             took = time.monotonic() - self._pending_report
             self._pending_report = None
@@ -187,17 +176,20 @@ class Session:
                                 recovery_s=round(took, 4))
         for cb in self.callbacks:
             cb.on_step_end(self)
+        return stop
 
     def _progress(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "in_epoch": self.in_epoch}
 
-    def _snapshot(self) -> None:
+    def _snapshot(self) -> int:
+        """Snapshot and replicate this step (a collective); returns the stop vote that rode along."""
         tensors, meta = flatten_state(self.state.capture_shared(), copy=True)
         own = pack({"rng": capture_rng(), "progress": self._progress()})
         snap = Snapshot(self.step, tensors, meta, own)
         self.snapshots.put(snap)
-        blobs = all_gather_bytes(own, self.rt.group)
+        blobs, stop = all_gather_flagged(own, self.stop.signum, self.rt.group)
         snap.ranks = dict(enumerate(blobs))
+        return stop
 
     def _finish(self) -> bool:
         """The last barrier: everyone reached the end, or a late failure sends us back to recover."""
@@ -211,8 +203,20 @@ class Session:
     # --- recovery ---------------------------------------------------------------------------
 
     def _report(self) -> dict:
-        disk = self.checkpoint.complete_steps() if self.checkpoint is not None else []
-        return {"memory": self.snapshots.report(), "disk": disk}
+        return {"memory": self.snapshots.report(), "disk": self.disk_sources.complete_steps()}
+
+    def _count_retry(self, reason: str) -> None:
+        """A rollback with the same processes as before is a retry; past the limit, escalate."""
+        same = self.rt.members == self._members
+        self._members = self.rt.members
+        self._retries = self._retries + 1 if same else 0
+        if self._retries <= self.strategy.max_retries:
+            return
+        why = (f"step {self.step + 1} failed {self._retries} times in a row with every process alive (retry limit "
+               f"{self.strategy.max_retries}, TG_MAX_RETRIES); last error: {reason}")
+        if not self.strategy.restarts:
+            stop_on_fault(self, why)
+        raise RecoveryError(why + "; ending this process so that the launcher restarts it")
 
     def _recover(self, *, form: bool, reason: str) -> None:
         t0 = time.monotonic()
@@ -226,10 +230,12 @@ class Session:
                 if form:
                     if hasattr(self.state.model, "drop"):
                         self.state.model.drop()
+                    rt.drop_group()  # peers blocked in a collective with us fail now, not at its timeout
                     if reason and not reported:
                         rt.report_failure(reason)
                         reported = True
                     rt.form()
+                    self._count_retry(reason or "membership changed")
                 form = True
                 t_agree = time.monotonic()
                 decision = rt.client.agree(rt.generation, "restore", self._report(), self.cfg.agree_timeout)
@@ -240,6 +246,8 @@ class Session:
                 log.info("rank %d: agreed on step %s in %.0f ms, restored in %.0f ms", rt.rank, decision["step"],
                          1000 * (t_apply - t_agree), 1000 * (time.monotonic() - t_apply))
                 break
+            except ClusterFailed as exc:  # the job is over (failed, or the launcher gave up): leave cleanly
+                stop_on_fault(self, str(exc))
             except FencedError as exc:
                 log.warning("rank %d: %s; regrouping", rt.rank, exc)
             except RuntimeError as exc:
@@ -269,7 +277,7 @@ class Session:
             self.state.load_shared(unpack(recv_bytes(mine["peer"], rt.group), "peer state"))
             per = unpack(recv_bytes(mine["peer"], rt.group), "peer rank state")
         elif kind == "disk":
-            loaded = self.checkpoint.load(s)
+            loaded = self.disk_sources.load(s)
             self.state.load_shared(loaded["shared"])
             per = loaded["own"]
         if kind == "self":  # serve the ranks that take their state from us

@@ -1,0 +1,205 @@
+"""Graceful exit and recover strategies with real processes; every resumed run must end bit-identical
+to a run that never stopped."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import assert_identical, env, events, finals, job_args, launch, wait_for
+from trainguard.checkpoint.format import list_checkpoints
+from trainguard.exitcodes import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.timeout(120)
+
+CKPT = ("--save-steps", "4", "--dying-gasp")
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    out = tmp_path_factory.mktemp("baseline")
+    proc = launch(out, 2, max_restarts=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return finals(out, 2)
+
+
+def run_cmd(out: Path, *flags: str, extra: tuple = ()) -> list[str]:
+    """The same command as harness.launch, for runs the test signals itself."""
+    return [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--recovery-path", str(out / "recovery"),
+            *flags, *job_args(out, extra=extra)]
+
+
+def ckpt_args(out: Path, how: str = "config", *more: str) -> tuple:
+    return ("--ckpt", str(out / "ckpt"), *CKPT, how, *more)
+
+
+def complete_steps(out: Path, rank: int) -> list[int]:
+    return [c.step for c in list_checkpoints(out / "ckpt" / f"rank_{rank}", "job")]
+
+
+def check_final(out: Path, baseline, proc=None) -> None:
+    if proc is not None:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    got = finals(out, 2)
+    for rank in range(2):
+        assert_identical(got[rank], baseline[rank], f"rank {rank}")
+
+
+def restored_from_disk(out: Path) -> set[int]:
+    return {e["step"] for e in events(out) if e["event"] == "restored" and e["source"] == "disk"}
+
+
+def graceful_steps(out: Path) -> dict[int, int]:
+    return {e["rank"]: e["step"] for e in events(out) if e["event"] == "graceful_exit"}
+
+
+# --- graceful exit ------------------------------------------------------------------------
+
+
+def test_sigterm_to_the_launcher_saves_and_the_same_command_resumes(tmp_path, baseline):
+    extra = ckpt_args(tmp_path, "callback", "--step-sleep", "0.1")
+    proc = subprocess.Popen(run_cmd(tmp_path, extra=extra), env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: 4 in complete_steps(tmp_path, 1), 60, "the checkpoint of step 4")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    stopped = graceful_steps(tmp_path)
+    assert set(stopped) == {0, 1} and len(set(stopped.values())) == 1  # every rank stopped at the same step
+    (step,) = set(stopped.values())
+    assert 4 <= step < 32 and all(step in complete_steps(tmp_path, r) for r in range(2))
+    assert "stopped on SIGTERM" in err and "restarting" not in err
+
+    again = launch(tmp_path, 2, extra=extra)  # the same command again
+    check_final(tmp_path, baseline, again)
+    assert step in restored_from_disk(tmp_path)
+    assert (tmp_path / "ckpt" / "strategy.json").is_file() and (tmp_path / "recovery" / "strategy.json").is_file()
+
+
+def test_sigterm_straight_to_one_worker_stops_the_whole_job(tmp_path, baseline):
+    extra = ckpt_args(tmp_path)
+    proc = launch(tmp_path, 2, faults="1:5:term", extra=extra)  # rank 1 SIGTERMs itself after step 5
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
+    assert graceful_steps(tmp_path) == {0: 6, 1: 6}  # rank 0 learns it at the next commit point
+    assert [complete_steps(tmp_path, r) for r in range(2)] == [[4, 6], [4, 6]]
+    assert "restarting" not in proc.stderr
+    state = [e for e in events(tmp_path) if e["event"] == "job_end"][-1]["state"]
+    assert state == "stopped"
+
+    again = launch(tmp_path, 2, extra=extra)
+    check_final(tmp_path, baseline, again)
+    assert 6 in restored_from_disk(tmp_path)
+
+
+def test_a_save_the_grace_period_cannot_hold_is_never_complete(tmp_path, baseline):
+    extra = ckpt_args(tmp_path)
+    cmd = run_cmd(tmp_path, "--grace-period", "1.5", extra=extra)
+    started = time.monotonic()
+    proc = subprocess.run(cmd, env=env(TG_FAULT="1:5:term", TG_FAULT_SLOW_SAVE="20"), capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    assert "did not finish within the grace period (1.5 s" in proc.stderr
+    for rank in range(2):
+        assert complete_steps(tmp_path, rank) == [4]  # step 6 was cut: it does not look complete
+    leftovers = list((tmp_path / "ckpt").glob("rank_*/.job-1_6.tmp-*"))
+    assert leftovers, "the cut save should have left its temp folder (files written, no manifest)"
+
+    again = launch(tmp_path, 2, extra=extra)
+    check_final(tmp_path, baseline, again)
+    assert restored_from_disk(tmp_path) == {4}
+
+
+# --- strategies -------------------------------------------------------------------------------
+
+
+def test_retry_redoes_failed_steps_in_the_same_processes(tmp_path, baseline):
+    """A collective that fails on rank 1 in step 6, and a Retriable raised on rank 0 in step 10."""
+    cmd = run_cmd(tmp_path, "--recover-strategy", "retry", extra=("--retriable-at", "0:9"))
+    proc = subprocess.run(cmd, env=env(TG_FAULT="1:5:collective"), capture_output=True, text=True, timeout=90)
+    check_final(tmp_path, baseline, proc)
+    ev = events(tmp_path)
+    assert len([e for e in ev if e["event"] == "registered"]) == 2  # no process was restarted
+    assert "restarting" not in proc.stderr
+    restores = [e["to_step"] for e in ev if e["event"] == "restore_step" and not e.get("fresh")]
+    assert restores == [5, 9]
+
+
+def test_exit_stops_the_job_at_the_first_fault_and_names_the_root_cause(tmp_path):
+    cmd = run_cmd(tmp_path, "--recover-strategy", "exit", "--grace-period", "30")
+    proc = subprocess.run(cmd, env=env(TG_FAULT="1:6:kill"), capture_output=True, text=True, timeout=90)
+    err = proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    summary = err[err.index("trainguard: worker 1 (pid "):]
+    assert "was killed by signal SIGKILL" in summary.splitlines()[0]
+    assert "recover strategy is exit" in err and "restarting" not in err
+    assert "[worker 0] trainguard: rank 0: stopping (recover strategy exit): step 6" in err
+    ev = events(tmp_path)
+    killed = next(e["ts"] for e in ev if e["event"] == "fault_injected")
+    (left,) = [e for e in ev if e["event"] == "stopped_on_fault"]
+    assert left["rank"] == 0 and left["ts"] - killed < 5  # it left by itself, long before the grace's SIGKILL
+    assert not (tmp_path / "final").exists()
+
+
+def test_dump_saves_the_survivors_and_the_dead_ranks_state_then_the_rerun_resumes(tmp_path, baseline):
+    extra = ckpt_args(tmp_path)
+    cmd = run_cmd(tmp_path, "--recover-strategy", "dump", extra=extra)
+    proc = subprocess.run(cmd, env=env(TG_FAULT="1:6:kill"), capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "rank 1 died; its state at step 5, 6 is written from the replicas held by rank 0" in proc.stderr
+    for rank in range(2):
+        assert {5, 6} <= set(complete_steps(tmp_path, rank))
+
+    again = launch(tmp_path, 2, extra=extra)  # the default strategy now
+    check_final(tmp_path, baseline, again)
+    assert 6 in restored_from_disk(tmp_path)
+
+
+def test_max_restarts_is_counted_across_the_job_and_the_end_is_clean(tmp_path):
+    proc = launch(tmp_path, 2, faults="1:4:kill,1:10:kill:2", max_restarts=1)
+    err = proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    assert "[agent] restarting worker 1 from a hot spare (restart 1/1)" in err
+    summary = err[err.index("trainguard: giving up"):]
+    first, *rest = summary.splitlines()
+    assert first.startswith("trainguard: giving up after 1 restart; root cause: worker 1 (pid ")
+    assert "max restarts: 1 of 1 used" in summary and "last failure: worker 1 (pid " in summary
+    # the survivor learns from the scheduler that the job failed and leaves by itself, not by the grace's SIGKILL
+    assert "[worker 0] trainguard: rank 0: stopping (recover strategy recover-in-place): joining the cluster failed: " \
+           "the job is failed" in err
+    ev = events(tmp_path)
+    killed = [e["ts"] for e in ev if e["event"] == "fault_injected"][-1]
+    (left,) = [e["ts"] for e in ev if e["event"] == "stopped_on_fault"]
+    assert left - killed < 5  # well under the 10 s grace period
+
+
+def test_chaos_sends_sigusr1_to_one_worker_and_the_job_stops_gracefully(tmp_path):
+    from trainguard.launch.cli import pick_free_port
+
+    port = pick_free_port("127.0.0.1")
+    extra = ckpt_args(tmp_path, "config", "--step-sleep", "0.1")
+    proc = subprocess.Popen(run_cmd(tmp_path, "--sched-port", str(port), extra=extra), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: 4 in complete_steps(tmp_path, 0), 60, "the checkpoint of step 4")
+        chaos = [sys.executable, "-m", "trainguard", "chaos", "--sched-port", str(port)]
+        missing = subprocess.run([*chaos, "term", "--rank", "5"], capture_output=True, text=True, timeout=30)
+        assert missing.returncode == 2 and "no live worker has rank 5 (live ranks: [0, 1]" in missing.stderr
+        hit = subprocess.run([*chaos, "usr1", "--rank", "1"], capture_output=True, text=True, timeout=30)
+        assert hit.returncode == 0 and "sent SIGUSR1 to rank 1" in hit.stderr
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "[worker 1] trainguard: rank 1: SIGUSR1: stopped at step" in err
+    assert len(set(graceful_steps(tmp_path).values())) == 1

@@ -1,0 +1,19 @@
+"""Exit codes of trainguard's processes (launcher, scheduler, workers), declared once.
+
+    0    the job finished
+    2    EXIT_CONFIG       bad input, or a configuration refused at start: a restart cannot help
+    3    EXIT_JOB_FAILED   the scheduler ended the job as failed (its last lines name the root cause)
+    75   EXIT_PREEMPTED    graceful exit: SIGTERM, SIGINT or SIGUSR1 stopped the job at a commit point and
+                           the dying-gasp checkpoint was saved (if one is configured). It is EX_TEMPFAIL of
+                           sysexits.h: run the same command again to resume from that checkpoint
+    76   EXIT_FAULT_STOP   a worker stopped because the job stops after a fault (strategy exit or dump, or
+                           restarts used up); it is a consequence, never the root cause
+
+The launcher exits with EXIT_PREEMPTED when its workers did, and otherwise with the root
+cause's own exit code (1 for a signal) or 128 + N when signal N stopped it.
+"""
+
+EXIT_CONFIG = 2
+EXIT_JOB_FAILED = 3
+EXIT_PREEMPTED = 75
+EXIT_FAULT_STOP = 76

@@ -1,0 +1,131 @@
+"""Leaving a job on purpose: a graceful exit on a signal, or a stop after a fault (strategies exit, dump).
+
+Graceful exit (reference: ModelArts' dying-gasp checkpoint on SIGTERM). SIGTERM, SIGINT and
+SIGUSR1 (Slurm's warning before a requeue), sent to the launcher or straight to one worker, only
+set a flag here: a handler runs between two bytecodes of the main thread, which may be inside a
+collective or a write. The flag rides on the next commit point's all-gather, so every rank
+learns it at the same committed step s, whichever rank got the signal. Then every rank:
+
+  1. saves a dying-gasp checkpoint of step s with each saver (ModelCheckpoint with
+     CheckpointConfig(exception_save=True), or ExceptionCheckpoint) before its deadline:
+     signal time + grace period (TG_GRACE_PERIOD, the launcher's --grace-period) less a margin;
+  2. tells the scheduler it stopped (the job ends STOPPED, the next run starts a new job);
+  3. raises JobStopped(EXIT_PREEMPTED): the process exits with code 75.
+
+A save still running at the deadline is abandoned and the process leaves with os._exit: the
+checkpoint format writes the manifest last and renames the folder into place, so a cut save
+never looks complete, and the next run resumes from the newest complete one. A second signal
+gives up at once (the signal's default action).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import NoReturn
+
+from ..errors import JobStopped
+from ..exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
+from ..recovery.dump import DumpResult, dump_targets, write_dying_gasp
+
+log = logging.getLogger("trainguard.graceful")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+MARGIN_FRACTION, MARGIN_MAX_S = 0.2, 1.0  # of the grace period, kept for leaving after the save
+GOODBYE_PATIENCE_S = 2.0  # how long a leaving worker waits for the scheduler
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class StopRequest:
+    """The flag the signal handlers set; `armed()` installs them for the life of the step loop."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.at: float | None = None  # time.monotonic() of the first signal
+        self._previous: dict[int, object] = {}
+
+    @contextlib.contextmanager
+    def armed(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        try:
+            yield self
+        finally:
+            self._disarm()
+
+    def _disarm(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.signum:  # a second signal: no more patience
+            self._disarm()
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum, self.at = signum, time.monotonic()
+
+    def deadline(self, grace: float) -> float:
+        """When a dying-gasp save must be done: the signal's time (else now) + grace, less a margin for leaving."""
+        start = self.at if self.at is not None else time.monotonic()
+        return start + grace - min(MARGIN_MAX_S, MARGIN_FRACTION * grace)
+
+
+def _leave(session, code: int, reason: str, result: DumpResult | None) -> NoReturn:
+    if result is not None and result.pending:  # the save thread still writes: it must not finish
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise JobStopped(code, reason, session.step)
+
+
+def stop_gracefully(session, signum: int) -> NoReturn:
+    """Every rank agreed, at the commit of `session.step`, that the job stops: save, say goodbye, exit 75."""
+    rt, step, name = session.rt, session.step, signal_name(signum)
+    deadline = session.stop.deadline(rt.cfg.grace_period)
+    if session.snapshots.get(step) is None:
+        session._snapshot()  # every rank is here, so this collective is safe
+    snap = session.snapshots.get(step)
+    result = write_dying_gasp(session.gasp_savers, [(snap, rt.rank, snap.own)], session, deadline)
+    reason = f"{name} at step {step}"
+    rt.events.emit("graceful_exit", rank=rt.rank, step=step, signal=name, saved=result.saved_steps(),
+                   pending=result.pending)
+    print(f"trainguard: rank {rt.rank}: {name}: stopped at step {step}; {result.describe()}; "
+          "run the same command again to resume", file=sys.stderr, flush=True)
+    rt.finish(ok=True, stopped=True, detail=f"stopped on {reason}", patience=GOODBYE_PATIENCE_S)
+    _leave(session, EXIT_PREEMPTED, reason, result)
+
+
+def stop_on_fault(session, reason: str) -> NoReturn:
+    """A fault that the recover strategy does not recover from: dump if asked, say goodbye, exit 76."""
+    rt, strategy = session.rt, session.strategy
+    if hasattr(session.state.model, "drop"):
+        session.state.model.drop()
+    rt.drop_group()  # peers still blocked in a collective with us fail at once
+    result = None
+    if strategy.dump:
+        deadline = session.stop.deadline(rt.cfg.grace_period)
+        items, notes = dump_targets(session.snapshots, rt, patience=GOODBYE_PATIENCE_S)
+        for note in notes:
+            print(f"trainguard: rank {rt.rank}: dump: {note}", file=sys.stderr, flush=True)
+        result = write_dying_gasp(session.gasp_savers, items, session, deadline)
+    saved = f"; {result.describe()}" if result is not None else ""
+    rt.events.emit("stopped_on_fault", rank=rt.rank, step=session.step, strategy=str(strategy), reason=reason[-500:],
+                   saved=result.saved_steps() if result else [])
+    print(f"trainguard: rank {rt.rank}: stopping (recover strategy {strategy}): {reason}{saved}",
+          file=sys.stderr, flush=True)
+    rt.finish(ok=False, detail=f"stopped after a fault ({strategy}): {reason}", patience=GOODBYE_PATIENCE_S)
+    _leave(session, EXIT_FAULT_STOP, reason, result)

@@ -1,0 +1,72 @@
+"""One step of the loop and the session's configuration.
+
+`with step:` catches what the session can recover from inside the step: a failed collective,
+any exception once the cluster has moved to a new generation, and, with the retry recover
+strategy, exceptions marked retriable (`trainguard.Retriable`, `SessionConfig(retriable=...)`).
+The session decides what to do about it at the step's commit point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .session import Session
+
+_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
+                       "timeout", "socket")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _COLLECTIVE_MARKERS)
+
+
+@dataclass(kw_only=True, slots=True)
+class SessionConfig:
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many steps in all (default: epochs x steps per epoch)
+    snapshot_every: int = 1  # in-memory snapshot every k steps
+    keep_snapshots: int = 2
+    agree_timeout: float = 600.0
+    retriable: tuple[type[BaseException], ...] = ()  # with the retry strategy these redo the step in process
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ConfigError(f"epochs must be >= 1, got {self.epochs}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ConfigError(f"max_steps must be >= 0, got {self.max_steps}")
+        if self.snapshot_every < 1:
+            raise ConfigError(f"snapshot_every must be >= 1, got {self.snapshot_every}")
+        if self.keep_snapshots < 2:
+            raise ConfigError("keep_snapshots must be >= 2 (ranks can be one step apart when a peer dies)")
+        self.retriable = tuple(self.retriable)
+        if not all(isinstance(t, type) and issubclass(t, BaseException) for t in self.retriable):
+            raise ConfigError(f"retriable must be exception classes, got {self.retriable!r}")
+
+
+class Step:
+    """One training step. Use `with step:` around its body so a failed collective is caught."""
+
+    __slots__ = ("session", "index", "epoch", "in_epoch", "batch", "failure")
+
+    def __init__(self, session: "Session", index: int, epoch: int, in_epoch: int, batch):
+        self.session, self.index, self.epoch, self.in_epoch, self.batch = session, index, epoch, in_epoch, batch
+        self.failure: BaseException | None = None
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, tp, exc, tb) -> bool:
+        if exc is None:
+            return False
+        if is_collective_failure(exc) or self.session.rt.membership_changed() or self.session.is_retriable(exc):
+            self.failure = exc
+            return True
+        return False
