@@ -161,7 +161,7 @@ def test_worker_killed_during_recovery(tmp_path, baseline):
         victim = next(e for e in events(tmp_path) if e["event"] == "registered" and e["node"] == "2")
         os.kill(victim["pid"], signal.SIGKILL)
         try:
-            out, _ = proc.communicate(timeout=180)
+            out, _ = proc.communicate(timeout=100)
         except subprocess.TimeoutExpired:  # keep what every process said, for the bug above
             proc.terminate()  # the launcher forwards it to its workers, which then close the pipe
             out, _ = proc.communicate(timeout=60)
