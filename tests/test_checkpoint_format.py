@@ -15,8 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from trainguard.checkpoint.codec import flatten_state, unflatten_state
-from trainguard.checkpoint.format import (CheckpointInfo, checkpoint_name, list_checkpoints, load_checkpoint,
-                                          prune_checkpoints, read_manifest, save_checkpoint)
+from trainguard.checkpoint.format import CheckpointInfo, checkpoint_name, load_checkpoint, read_manifest, save_checkpoint
+from trainguard.checkpoint.retention import list_checkpoints, prune_checkpoints
 from trainguard.errors import CheckpointCorrupt, CheckpointError
 
 pytestmark = pytest.mark.timeout(60)

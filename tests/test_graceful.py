@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness import assert_identical, env, events, finals, job_args, launch, wait_for
-from trainguard.checkpoint.format import list_checkpoints
+from trainguard.checkpoint import list_checkpoints
 from trainguard.exitcodes import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.timeout(120)

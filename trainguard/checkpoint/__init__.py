@@ -9,12 +9,11 @@ from .codec import flatten_state, state_nbytes, unflatten_state
 from .format import (
     CheckpointInfo,
     checkpoint_name,
-    list_checkpoints,
     load_checkpoint,
-    prune_checkpoints,
     read_manifest,
     save_checkpoint,
 )
+from .retention import list_checkpoints, prune_checkpoints
 from .layout import CheckpointLayout, Piece, Slice, TensorLayout
 from .replicas import recover_rank, restore_group_info_list, verify_checkpoint
 from .reshard import init_optimizer_state, load_param_into_net, load_sharded

@@ -24,7 +24,8 @@ from pathlib import Path
 from ..errors import CheckpointError, ConfigError
 from .blob import unpack
 from .codec import flatten_state, unflatten_state
-from .format import checkpoint_name, list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
+from .format import checkpoint_name, load_checkpoint, save_checkpoint
+from .retention import list_checkpoints, prune_checkpoints
 
 log = logging.getLogger("trainguard.checkpoint")
 
