@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import trainguard
 from trainguard.checkpoint import list_checkpoints, read_manifest
+from trainguard.train import parallel_strategy
 
 PREFIX = "transformer"
 SOURCES = ("argparse.py", "inspect.py", "typing.py", "dataclasses.py", "functools.py")
@@ -149,10 +150,20 @@ def train_state() -> dict:
     return {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": torch.get_rng_state()}
 
 
+def layout_name(doc: dict | None) -> str:
+    mesh = (doc or {}).get("mesh") or {}
+    return " x ".join(f"{n}={s}" for n, s in zip(mesh.get("dim_names", ()), mesh.get("shape", ()))) or "unknown"
+
+
 # --- resume from the newest complete checkpoint, saved on any layout ---------------------------
 start = 0
 found = list_checkpoints(Path(args.ckpt_dir), PREFIX) if args.resume else []
+layout = parallel_strategy.describe(model, world, mesh=mesh)
 if found:
+    previous = parallel_strategy.read(Path(args.ckpt_dir))  # the layout the checkpoints were written with
+    if rank == 0 and previous is not None and previous["world_size"] != world:
+        print(f"the device count changed ({previous['world_size']} -> {world}): resharding from "
+              f"{layout_name(previous)} to {layout_name(layout)}", flush=True)
     folder = found[-1].path
     trainguard.init_optimizer_state(optimizer)  # the optimizer's tensors must exist to be loaded into
     loaded = trainguard.load_sharded(folder, train_state())  # fills this layout's slices in place
@@ -164,6 +175,19 @@ if found:
         print(f"resumed from {folder} at step {start} on dp={args.dp} x tp={args.tp}", flush=True)
 elif args.resume and rank == 0:
     print(f"no complete checkpoint in {args.ckpt_dir}; starting from step 0", flush=True)
+if args.ckpt_dir and rank == 0:  # strategy.json: this run's layout, next to the checkpoints it writes
+    parallel_strategy.write(layout, [Path(args.ckpt_dir)])
+
+
+def save(step: int) -> None:
+    folder = Path(args.ckpt_dir, f"{PREFIX}-1_{step}")
+    if not (folder / "manifest.json").exists():
+        trainguard.save_sharded(folder, train_state(), step=step, epoch=1, integrated=args.integrated,
+                                append_info={"step": step})
+
+
+# SIGTERM / SIGINT / SIGUSR1: every rank stops at the same step and saves a dying-gasp checkpoint
+stop = trainguard.GracefulStop()
 
 # --- train -----------------------------------------------------------------------------------
 per_rank = args.micro_batches // args.dp
@@ -187,5 +211,6 @@ for step in range(start + 1, args.steps + 1):
         loss = np.float32((loss_sum / args.micro_batches).item())
         print(f"epoch: 1 step: {step}, loss is {str(loss)}", flush=True)
     if args.ckpt_dir and step % args.save_steps == 0:
-        trainguard.save_sharded(Path(args.ckpt_dir, f"{PREFIX}-1_{step}"), train_state(), step=step, epoch=1,
-                                integrated=args.integrated, append_info={"step": step})
+        save(step)
+    if stop.requested(step):  # one all-reduce: some rank was signalled
+        stop.exit(step, lambda: save(step) if args.ckpt_dir else None)

@@ -25,6 +25,7 @@ from harness import REPO, env
 
 import trainguard as tg
 from trainguard.checkpoint import list_checkpoints, read_manifest
+from trainguard.train import parallel_strategy
 
 pytestmark = pytest.mark.timeout(150)
 STEPS, SAVE = 24, 8
@@ -116,3 +117,48 @@ def test_resume_on_dp2_tp1_integrated_stays_within_rounding(base, tmp_path):
     ckpt = new / f"transformer-1_{STEPS}"
     assert read_manifest(ckpt)["layout"]["kind"] == "integrated"
     assert sorted(p.name for p in ckpt.iterdir()) == ["full.safetensors", "manifest.json"]
+
+
+def test_sigterm_at_4_workers_then_resume_at_2_continues_the_curve(base, tmp_path):
+    """Reference 004 on a DP x TP job: SIGTERM to the launcher of a (dp=2, tp=2) run between two
+    saves; every rank stops at the same step and saves a dying-gasp sliced checkpoint (exit 75).
+    Resumed on 2 workers (dp=1, tp=2) from that checkpoint, resharded by its layout, the losses go
+    on exactly where the uninterrupted run's went."""
+    import signal
+
+    losses, folder = base
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "4", "--hot-spares", "0",
+           "examples/transformer_tp.py", "--dp", "2", "--tp", "2", "--steps", str(STEPS), "--save-steps", str(SAVE),
+           "--log-every", "1", "--ckpt-dir", str(ckpt)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "epoch: 1 step: 11," in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=60) == tg.EXIT_PREEMPTED, "".join(lines)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    stopped = {int(s) for s in re.findall(r"SIGTERM: stopped at step (\d+)", out)}
+    assert len(stopped) == 1, out[-3000:]  # every rank stopped at the same step
+    step = stopped.pop()
+    assert SAVE < step < 2 * SAVE
+    assert [c.step for c in list_checkpoints(ckpt, "transformer")] == [SAVE, step]
+    layout = parallel_strategy.read(ckpt)  # strategy.json: the layout the dying gasp was written with
+    assert layout["world_size"] == 4 and layout["mesh"] == {"shape": [2, 2], "dim_names": ["dp", "tp"]}
+    q = layout["parameters"]["blocks.0.attn.q.weight"]
+    assert (q["placement"], q["mesh_dims"], q["shape"]) == (["shard(0)"], ["tp"], [64, 64])
+
+    resumed = train(ckpt, 2, 1, 2, "--resume")
+    log = (ckpt / "launcher.log").read_text()
+    assert "the device count changed (4 -> 2): resharding from dp=2 x tp=2 to dp=1 x tp=2" in log
+    assert f"resumed from {ckpt / f'transformer-1_{step}'} at step {step} on dp=1 x tp=2" in log
+    assert resumed == {s: losses[s] for s in range(step + 1, STEPS + 1)}
+    assert_same_state(ckpt / f"transformer-1_{STEPS}", folder / f"transformer-1_{STEPS}")

@@ -28,7 +28,7 @@ _LAZY = {
     "Callback": "train.callbacks", "LossMonitor": "train.callbacks", "StepTimeMonitor": "train.callbacks",
     "ShardedSampler": "train.data", "Model": "train.model", "DataParallel": "train.parallel",
     "Session": "train.session", "SessionConfig": "train.session", "Step": "train.session",
-    "TrainState": "train.state",
+    "TrainState": "train.state", "GracefulStop": "train.preempt",
 }
 
 __all__ = sorted(_LAZY) + [

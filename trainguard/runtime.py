@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from . import config as C
@@ -160,6 +161,7 @@ class Runtime:
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
         before = open_sockets()
+        _reset_group_names()
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.cfg.group_build_timeout), **kwargs)
         self.group = dist.group.WORLD
@@ -213,6 +215,15 @@ class Runtime:
 
     def _at_exit(self) -> None:
         self.finish(ok=not self._error, detail=self._error)
+
+
+def _reset_group_names() -> None:
+    """Name the next default group as a fresh process would. torch names groups by a counter that
+    a failed `init_process_group` leaves raised (and only `destroy_process_group` resets), so after a
+    failed build this process would look for other rendezvous keys than its peers and all of them
+    would wait for each other until the store timeout."""
+    if not dist.is_initialized():
+        c10d._world.group_count = 0
 
 
 def _replace(cfg: C.ClusterConfig, **changes) -> C.ClusterConfig:

@@ -34,10 +34,17 @@ def _placement(p) -> str:
     return name.lower()
 
 
-def describe(module: torch.nn.Module, world_size: int, generation: int = 0) -> dict:
-    """The layout of `module`'s parameters over `world_size` ranks (a pure function of the module)."""
+def _mesh_doc(device_mesh) -> dict:
+    return {"shape": list(device_mesh.shape), "dim_names": list(device_mesh.mesh_dim_names or ())}
+
+
+def describe(module: torch.nn.Module, world_size: int, generation: int = 0, mesh=None) -> dict:
+    """The layout of `module`'s parameters over `world_size` ranks (a pure function of the module).
+    `mesh`: the job's whole DeviceMesh, when parameters live on sub-meshes of it (DP x TP: the
+    DTensors are on the "tp" mesh, and data parallelism is done by hand over "dp"); each
+    parameter then also names the mesh dimensions its placements refer to."""
     inner = getattr(module, "module", module)  # DataParallel wraps the user's module
-    mesh = None
+    doc_mesh = _mesh_doc(mesh) if mesh is not None else None
     params = {}
     for name, param in inner.named_parameters():
         entry: dict = {"shape": list(param.shape), "dtype": str(param.dtype).removeprefix("torch."),
@@ -46,10 +53,11 @@ def describe(module: torch.nn.Module, world_size: int, generation: int = 0) -> d
         device_mesh = getattr(param, "device_mesh", None)
         if placements is not None and device_mesh is not None:  # a DTensor
             entry["placement"] = [_placement(p) for p in placements]
-            if mesh is None:
-                mesh = {"shape": list(device_mesh.shape), "dim_names": list(device_mesh.mesh_dim_names or ())}
+            entry["mesh_dims"] = list(device_mesh.mesh_dim_names or ())
+            if doc_mesh is None:
+                doc_mesh = _mesh_doc(device_mesh)
         params[name] = entry
-    return {"format_version": FORMAT_VERSION, "world_size": world_size, "generation": generation, "mesh": mesh,
+    return {"format_version": FORMAT_VERSION, "world_size": world_size, "generation": generation, "mesh": doc_mesh,
             "parameters": params}
 
 
@@ -68,6 +76,22 @@ def write(doc: dict, directories: list[Path]) -> list[Path]:
         except OSError as exc:  # the layout is documentation for a later reader; training goes on
             log.error("could not write %s: %s", path, exc)
     return written
+
+
+def read(directory: Path) -> dict | None:
+    """The strategy.json in `directory`, or None when there is none or it cannot be read (logged)."""
+    path = Path(directory) / FILE_NAME
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.error("could not read %s: %s; it is ignored", path, exc)
+        return None
+    if not isinstance(doc, dict) or doc.get("format_version") != FORMAT_VERSION:
+        log.error("%s: not a strategy file of format version %d; it is ignored", path, FORMAT_VERSION)
+        return None
+    return doc
 
 
 def write_for(session) -> list[Path]:
