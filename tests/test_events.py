@@ -129,3 +129,21 @@ def test_summarize_cascading_failure():
     a, b = summarize_recovery(events)
     assert a["generation"] == 2 and a["mttr_s"] is None
     assert b["generation"] == 3 and b["mttr_s"] == pytest.approx(3.0) and b["lost_steps"] == 2
+
+
+def test_the_dead_rank_is_named_before_a_survivors_failed_collective():
+    """Under load a survivor's report of its failed collective can reach the scheduler before the
+    dead rank's exit does; the summary still names the dead rank first."""
+    evs = [
+        {"ts": 1.0, "event": "fault_injected", "rank": 1, "generation": 1},
+        {"ts": 1.1, "event": "failure_detected", "node": "0", "rank": 0, "kind": "collective", "generation": 1,
+         "next_generation": 2},
+        {"ts": 1.2, "event": "failure_detected", "node": "1", "rank": 1, "kind": "exited", "signal": "SIGKILL",
+         "generation": 1, "next_generation": 2},
+        {"ts": 1.5, "event": "generation_formed", "generation": 2, "world_size": 2},
+        {"ts": 1.6, "event": "restore_step", "generation": 2, "from_step": 100, "to_step": 100},
+        {"ts": 1.7, "event": "step_finished", "generation": 2, "step": 101},
+    ]
+    (rec,) = summarize_recovery(evs)
+    assert [f["rank"] for f in rec["failures"]] == [1, 0]
+    assert rec["failure_ts"] == 1.1 and rec["mttr_s"] == pytest.approx(0.7)

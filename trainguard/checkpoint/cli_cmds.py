@@ -24,6 +24,8 @@ def _size(n: int) -> str:
 
 
 def _kind(manifest: dict) -> str:
+    if "ranks" in manifest:
+        return "job"
     return manifest["layout"]["kind"] if "layout" in manifest else "per-rank"
 
 
@@ -85,8 +87,11 @@ def inspect(path: Path, as_json: bool = False) -> int:
     print(f"  append_info: {json.dumps(m.get('append_info'))}")
     for name, entry in m["files"].items():
         print(f"  file {name}: {entry['bytes']} bytes, sha256 {entry['sha256'][:16]}…")
+    for r, entry in sorted(m.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
+        print(f"  rank {r}: {entry['file']}, data position {json.dumps(entry['progress'])}, RNG state in the manifest")
     if layout is None:
-        print("  no parallel layout (format 1): each file holds one rank's whole state")
+        print("  no parallel layout: " + ("each rank's file holds its data-parallel state; equal sha256 = a replica"
+                                          if "ranks" in m else "each file holds one rank's whole state"))
         return 0
     print(f"  kind {layout.kind}; group info (ranks holding identical slices): "
           f"{[list(g) for g in layout.group_info]}")

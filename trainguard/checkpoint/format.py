@@ -7,8 +7,10 @@ a parseable manifest and every listed file at its listed size is complete; anyth
 manifest and each safetensors header themselves before safetensors parses a byte.
 
 Manifest versions: 1 has no parallel layout; 2 adds "layout" (see layout.CheckpointLayout:
-every tensor's global shape and which rank file holds which slice). A save without a layout
-still writes version 1, so readers that only know version 1 read it; both are read here.
+every tensor's global shape and which rank file holds which slice); 3 is a training job's
+checkpoint (jobsave.py): one file per rank plus "ranks", every rank's own state (RNG, data
+position). A save without a layout or ranks still writes version 1, so readers that only know
+version 1 read it; all three are read here.
 Several ranks can fill one temp folder (`temp_folder`, `write_shard`), after which one of
 them calls `commit_checkpoint`; sharded.py does that.
 """
@@ -25,8 +27,8 @@ import secrets
 import shutil
 import struct
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +42,9 @@ from .layout import CheckpointLayout
 
 log = logging.getLogger("trainguard.checkpoint")
 
-FORMAT_VERSION = 2  # the newest; a manifest without a layout is written (and read) as version 1
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 2  # sliced/integrated saves with a layout; without one, version 1 is written (and read)
+JOB_VERSION = 3  # a training job's checkpoint: one file per rank and every rank's own state (jobsave.py)
+READ_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 STALE_TEMP_SECONDS = 3600.0
@@ -100,9 +103,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
-    """Write one safetensors file (streamed, fsynced); return (sha256 hex, size)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+def write_shard(path: Path, tensors: dict[str, torch.Tensor],
+                metadata: dict[str, str] | None = None) -> tuple[str, int]:
+    """Write one safetensors file (streamed, fsynced), with string `metadata` in its header;
+    return (sha256 hex, size)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     blobs, offset = [], 0
     for key in sorted(tensors):
         t = tensors[key]
@@ -121,14 +126,19 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]
     head += b" " * (-len(head) % 8)
     chunks = [struct.pack("<Q", len(head)), head, *blobs]
     # hashlib releases the GIL on large buffers: hash the same bytes while they are written and fsynced
-    with ThreadPoolExecutor(1, thread_name_prefix="trainguard-sha256") as pool:
-        digest = pool.submit(_sha256, chunks)
+    # (a plain thread, not an executor: executors refuse work once the interpreter begins to exit)
+    digest: list[str] = []
+    hasher = threading.Thread(target=lambda: digest.append(_sha256(chunks)), name="trainguard-sha256", daemon=True)
+    hasher.start()
+    try:
         with open(path, "xb") as f:
             for chunk in chunks:
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-        return digest.result(), 8 + len(head) + offset
+    finally:
+        hasher.join()
+    return digest[0], 8 + len(head) + offset
 
 
 def _sha256(chunks: list) -> str:
@@ -148,7 +158,8 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def new_manifest(folder: Path, *, meta: dict, step: int, epoch: int, world_size: int,
-                 append_info: dict | None = None, layout: CheckpointLayout | None = None) -> dict:
+                 append_info: dict | None = None, layout: CheckpointLayout | None = None,
+                 ranks: dict | None = None) -> dict:
     """A checked manifest without its "files" entries; raises CheckpointError naming `folder`."""
     for key, value, low in (("step", step, 0), ("epoch", epoch, 0), ("world_size", world_size, 1)):
         if type(value) is not int or value < low:
@@ -157,9 +168,14 @@ def new_manifest(folder: Path, *, meta: dict, step: int, epoch: int, world_size:
         raise CheckpointError(f"cannot save {folder}: meta must be a dict and append_info a dict or None")
     if sys.byteorder != "little":
         raise CheckpointError("safetensors files are little-endian; this host is big-endian")
-    manifest = {"format_version": 1 if layout is None else FORMAT_VERSION, "step": step, "epoch": epoch,
+    if layout is not None and ranks is not None:
+        raise CheckpointError(f"cannot save {folder}: a manifest has a layout or per-rank states, not both")
+    version = JOB_VERSION if ranks is not None else 1 if layout is None else FORMAT_VERSION
+    manifest = {"format_version": version, "step": step, "epoch": epoch,
                 "world_size": world_size, "meta": meta, "append_info": append_info, "files": {},
                 "created": time.time()}
+    if ranks is not None:
+        manifest["ranks"] = ranks
     if layout is not None:
         for name in layout.rank_files:
             if (why := _bad_name(name)) is not None:
@@ -307,11 +323,29 @@ def read_manifest(folder: Path) -> dict:
         size = entry.get("bytes") if isinstance(entry, dict) else None
         if not ok or not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise _corrupt(path, f"entry for {name!r} needs a 64-hex 'sha256' and a non-negative 'bytes'")
-    if version >= 2:
+    if version == 2:
         _check_layout(path, m)
     elif "layout" in m:
-        raise _corrupt(path, "has format_version 1 but a 'layout' field (version 2 introduced it)")
+        raise _corrupt(path, f"has format_version {version} but a 'layout' field (only version 2 has one)")
+    if version == JOB_VERSION:
+        _check_ranks(path, m)
+    elif "ranks" in m:
+        raise _corrupt(path, f"has format_version {version} but a 'ranks' field (version 3 introduced it)")
     return m
+
+
+def _check_ranks(path: Path, m: dict) -> None:
+    """Version 3: "ranks" maps every rank 0..world_size-1 to its file, progress and own state."""
+    ranks = m.get("ranks")
+    if not isinstance(ranks, dict) or sorted(ranks) != sorted(str(r) for r in range(m["world_size"])):
+        raise _corrupt(path, f"has format_version 3 but its 'ranks' field does not name ranks 0..{m['world_size'] - 1}")
+    for r, entry in ranks.items():
+        progress = entry.get("progress") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or entry.get("file") not in m["files"] or not isinstance(entry.get("state"), str):
+            raise _corrupt(path, f"rank {r} needs a 'file' among its files and a 'state' string")
+        if not isinstance(progress, dict) or not all(type(progress.get(k)) is int and progress[k] >= 0
+                                                     for k in ("step", "epoch", "in_epoch")):
+            raise _corrupt(path, f"rank {r}: 'progress' needs non-negative ints step, epoch and in_epoch")
 
 
 def _layout_files(manifest: dict) -> list[str]:
@@ -349,8 +383,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES[dtype]
 
 
-def _check_header(path: Path, data: bytes) -> None:
-    """Validate a safetensors header before the parser sees it."""
+def _check_header(path: Path, data: bytes) -> dict:
+    """Validate a safetensors header before the parser sees it; returns its string metadata."""
     if len(data) < 8:
         raise _corrupt(path, f"is {len(data)} bytes, too short for a safetensors header")
     (n,) = struct.unpack_from("<Q", data)
@@ -385,10 +419,19 @@ def _check_header(path: Path, data: bytes) -> None:
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
             raise _corrupt(path, f"tensors {a!r} and {b!r} overlap in the data")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise _corrupt(path, "safetensors __metadata__ is not an object of strings")
+    return metadata or {}
 
 
 def read_shard(path: Path, entry: dict, verify: bool = True) -> dict[str, torch.Tensor]:
     """The tensors of one shard file, checked against its manifest `entry` ({"sha256", "bytes"})."""
+    return read_shard_metadata(path, entry, verify)[0]
+
+
+def read_shard_metadata(path: Path, entry: dict, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, string metadata of its header) of one shard file, checked as read_shard does."""
     if path.is_symlink() or not path.is_file():
         raise _corrupt(path, "is missing (or not a regular file) but the manifest lists it")
     try:
@@ -400,9 +443,9 @@ def read_shard(path: Path, entry: dict, verify: bool = True) -> dict[str, torch.
                        "overwritten)")
     if verify and hashlib.sha256(data).hexdigest() != entry["sha256"].lower():
         raise _corrupt(path, "sha256 does not match the manifest (the file was altered or bits flipped)")
-    _check_header(path, data)
+    metadata = _check_header(path, data)
     try:
-        return st_load(data)
+        return st_load(data), metadata
     except (SafetensorError, ValueError, RuntimeError, KeyError) as exc:
         raise _corrupt(path, f"safetensors could not parse it ({exc})") from None
 

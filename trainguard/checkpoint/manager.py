@@ -2,10 +2,12 @@
 
 `ModelCheckpoint(prefix, directory, config)` is both a callback (it saves every
 `save_checkpoint_steps` steps or `save_checkpoint_seconds` seconds) and the session's disk
-source during recovery. Each rank writes its own folder tree `directory/rank_{r}/`, one
-checkpoint folder `{prefix}-{epoch}_{step_in_epoch}` per save. Writes run in a background
-thread from the step's snapshot, which is a private copy: the next step cannot change what
-is being written. A failed write is reported and never looks complete.
+source during recovery. Every rank writes into the same folder per save,
+`directory/{prefix}-{epoch}_{step_in_epoch}/`: its own `rank_R.safetensors`, and rank 0 writes
+the manifest once every rank's file is there (jobsave.py). So `directory` must be shared by
+every rank: one host, or a shared filesystem. Writes run in a background thread from the step's
+snapshot, which is a private copy: the next step cannot change what is being written. A failed
+write is reported (stderr and a `checkpoint_failed` event) and never looks complete.
 
 Dying-gasp checkpoints (a graceful exit on a signal, or the dump recover strategy): a
 ModelCheckpoint with `CheckpointConfig(exception_save=True)` also writes one when the job
@@ -14,7 +16,9 @@ stops, and `ExceptionCheckpoint` writes only those. Either is a disk source for 
 
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -22,12 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError
+from . import jobsave
 from .blob import unpack
-from .codec import flatten_state, unflatten_state
-from .format import checkpoint_name, load_checkpoint, save_checkpoint
+from .format import checkpoint_name, new_manifest
 from .retention import list_checkpoints, prune_checkpoints
 
 log = logging.getLogger("trainguard.checkpoint")
+
+SETTLE_PATIENCE_S = 1.0  # how long a recovery lets a save still waiting for its peers go on
+EXIT_PATIENCE_S = 10.0  # how long a process leaving normally lets its last save wait for its peers
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +46,7 @@ class CheckpointConfig:
     integrated_save: bool = True
     exception_save: bool = False  # also save a dying-gasp checkpoint when the job stops (train/graceful.py)
     append_info: dict = field(default_factory=dict)
+    commit_timeout_seconds: float = 300.0  # how long rank 0 waits for the other ranks' files of one save
 
     def __post_init__(self) -> None:
         if self.save_checkpoint_steps is not None and self.save_checkpoint_steps < 1:
@@ -47,6 +55,8 @@ class CheckpointConfig:
             raise ConfigError(f"save_checkpoint_seconds must be > 0, got {self.save_checkpoint_seconds}")
         if self.keep_checkpoint_max < 1:
             raise ConfigError(f"keep_checkpoint_max must be >= 1, got {self.keep_checkpoint_max}")
+        if self.commit_timeout_seconds <= 0:
+            raise ConfigError(f"commit_timeout_seconds must be > 0, got {self.commit_timeout_seconds}")
         if self.keep_checkpoint_max < 2:
             warnings.warn("keep_checkpoint_max < 2: if a save fails or a process dies mid-save, no earlier "
                           "checkpoint is left to fall back on; use at least 2", stacklevel=3)
@@ -60,6 +70,40 @@ def _seed_name(progress: dict, steps_per_epoch: int | None) -> tuple[int, int]:
     return epoch + 1, in_epoch
 
 
+@dataclass(slots=True)
+class _Save:
+    """One rank's part of one save, and what its committer needs."""
+    folder: Path
+    rank: int
+    step: int
+    epoch: int
+    world_size: int
+    tensors: dict
+    meta: dict
+    blobs: dict  # every rank's own state blob at this step
+    sid: str
+
+    @property
+    def tmp(self) -> Path:
+        return jobsave.temp_for(self.folder, self.step, self.sid)
+
+
+def _at_exit(func, *args) -> None:
+    """Run func(*args) when the main thread ends, before the interpreter refuses new work to
+    threads (threading's own exit hooks run before atexit's; fall back to atexit)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(func, *args)
+    else:
+        register(func, *args)
+
+
+def _runtime():
+    from .. import runtime
+
+    return runtime.current()
+
+
 class ModelCheckpoint:
     def __init__(self, prefix: str = "ckpt", directory: str | Path = "checkpoints",
                  config: CheckpointConfig | None = None):
@@ -68,67 +112,137 @@ class ModelCheckpoint:
         self.prefix = prefix
         self.root = Path(directory)
         self.config = config or CheckpointConfig()
-        self._rank: int | None = None
         self._last_save = time.monotonic()
-        self._thread: threading.Thread | None = None
+        self._writer = jobsave.Waiter()
+        self._gasp_commits: list[_Save] = []
+        self._events = None
+        self._exit_hook = False
+        self._siblings: list[ModelCheckpoint] = []  # others writing the same folders (see DiskSources)
         self.errors: list[str] = []
 
     # --- where ----------------------------------------------------------------------------
 
     @property
     def directory(self) -> Path:
-        from .. import runtime
+        """Where the checkpoint folders are: shared by every rank."""
+        return self.root
 
-        rank = runtime.current().rank if self._rank is None else self._rank
-        return self.root / f"rank_{rank}"
+    def _complete(self, world_size: int) -> list:
+        return [c for c in list_checkpoints(self.root, self.prefix) if c.world_size == world_size]
 
     def complete_steps(self) -> list[int]:
-        self.wait()
-        return [c.step for c in list_checkpoints(self.directory, self.prefix)]
+        """Steps this job (its world size) can restore from disk. A save still waiting for a peer
+        (which may have died) gets SETTLE_PATIENCE_S more, then is left incomplete."""
+        self.settle(SETTLE_PATIENCE_S)
+        return [c.step for c in self._complete(_runtime().world_size)]
 
     def load(self, step: int) -> dict:
-        """{"shared": ..., "own": ...} of this rank at `step`, verified; CheckpointCorrupt names the file."""
-        for info in reversed(list_checkpoints(self.directory, self.prefix)):
+        """{"shared": ..., "own": ...} of this rank at `step`, verified; CheckpointCorrupt names the file.
+        A missing or corrupt file of this rank is read from a bit-identical replica, and rewritten."""
+        rt = _runtime()
+        for info in reversed(self._complete(rt.world_size)):
             if info.step == step:
-                shards, manifest = load_checkpoint(info.path)
-                (tensors,) = shards.values()
-                return unflatten_state(tensors, manifest["meta"], copy=False)
-        raise CheckpointError(f"no complete checkpoint of step {step} in {self.directory}")
+                state, source = jobsave.load_rank(info.path, rt.rank, rt.world_size)
+                if source != jobsave.rank_file(rt.rank):
+                    self._emit("checkpoint_repaired", rank=rt.rank, step=step, folder=str(info.path),
+                               file=jobsave.rank_file(rt.rank), replica=source)
+                return state
+        raise CheckpointError(f"no complete checkpoint of step {step} for {rt.world_size} ranks in {self.root}")
 
     # --- when -----------------------------------------------------------------------------
 
     def on_step_end(self, session) -> None:
         cfg = self.config
         due = cfg.save_checkpoint_steps is not None and session.step % cfg.save_checkpoint_steps == 0
-        due = due or (cfg.save_checkpoint_seconds is not None
-                      and time.monotonic() - self._last_save >= cfg.save_checkpoint_seconds)
+        if cfg.save_checkpoint_seconds is not None:
+            # each rank's clock says something else: the ranks agree (one small all-reduce at the
+            # commit point; a failure there fails the step), so every rank saves the same steps
+            from ..recovery.transfer import all_max
+
+            late = time.monotonic() - self._last_save >= cfg.save_checkpoint_seconds
+            due = bool(all_max(int(late), session.rt.group)) or due
         if due:
             self.save(session)
 
     def save(self, session) -> None:
         snap = session.snapshots.get(session.step)
-        if snap is None:
+        if snap is None:  # every rank saves this step, so this collective is safe
             session._snapshot()
             snap = session.snapshots.get(session.step)
-        self._rank = session.rt.rank
-        job = self._job(snap, self._rank, snap.own, session.steps_per_epoch, session.rt.world_size)
-        self.wait()
+        if not self._exit_hook:  # a process leaving normally lets its last save finish
+            self._exit_hook = True
+            _at_exit(self.settle, EXIT_PATIENCE_S)
+        self._events = getattr(session.rt, "events", None)
+        job = self._job(snap, session.rt.rank, session.steps_per_epoch, session.rt.world_size)
+        self._writer.settle(None)  # back-pressure: one save at a time
         self._last_save = time.monotonic()
+        if self._already_saved(job):
+            return
         if self.config.async_save:
-            self._thread = threading.Thread(target=self._write, kwargs=job, name="trainguard-ckpt", daemon=True)
-            self._thread.start()
+            self._writer.start(self._write, job=job)
         else:
-            self._write(**job)
+            self._write(job)
 
-    def _job(self, snap, rank: int, own: bytes, steps_per_epoch: int | None, world_size: int) -> dict:
-        """What save_checkpoint needs to write `rank`'s state at `snap` (own: that rank's own blob)."""
-        obj = {"shared": unflatten_state(snap.tensors, snap.meta, copy=False), "own": unpack(own)}
-        tensors, meta = flatten_state(obj, copy=False)
-        progress = obj["own"]["progress"]
-        folder = self.root / f"rank_{rank}" / checkpoint_name(self.prefix, *_seed_name(progress, steps_per_epoch))
-        return dict(folder=folder, shards={f"rank_{rank}.safetensors": tensors}, meta=meta,
-                    step=progress["step"], epoch=progress["epoch"], world_size=world_size,
-                    append_info=dict(self.config.append_info))
+    def _job(self, snap, rank: int, steps_per_epoch: int | None, world_size: int) -> _Save:
+        """What writing `rank`'s part of `snap` takes; the other ranks compute the same folder and id."""
+        blobs = dict(snap.ranks) if snap.ranks is not None else {rank: snap.own} if world_size == 1 else None
+        if blobs is None or len(blobs) != world_size:
+            raise CheckpointError(f"step {snap.step} was not replicated to every rank, so no checkpoint of it "
+                                  "can be completed")
+        progress = unpack(blobs[rank], f"rank {rank}'s state")["progress"]
+        name = checkpoint_name(self.prefix, *_seed_name(progress, steps_per_epoch))
+        return _Save(self.root / name, rank, progress["step"], progress["epoch"], world_size, snap.tensors,
+                     snap.meta, blobs, jobsave.save_id(name, progress["step"], blobs))
+
+    def _already_saved(self, job: _Save) -> bool:
+        return any(c.step == job.step and c.path == job.folder for c in self._complete(job.world_size))
+
+    def _commit(self, job: _Save, timeout: float) -> Path:
+        ranks = jobsave.ranks_entry(job.blobs)
+        manifest = new_manifest(job.folder, meta={}, step=job.step, epoch=job.epoch, world_size=job.world_size,
+                                append_info=dict(self.config.append_info), ranks=ranks)
+        folder = jobsave.commit(job.folder, job.step, job.sid, manifest, timeout=timeout,
+                                give_up=self._writer.give_up)
+        prune_checkpoints(self.root, self.prefix, self.config.keep_checkpoint_max)
+        self._emit("checkpoint_saved", step=job.step, folder=str(folder), world_size=job.world_size)
+        return folder
+
+    def _write(self, job: _Save) -> None:
+        try:
+            jobsave.write_part(job.tmp, job.rank, job.step, job.tensors, job.meta, job.sid)
+            if job.rank == 0:  # the writer of rank 0's part commits
+                self._commit(job, self.config.commit_timeout_seconds)
+        except (CheckpointError, OSError) as exc:
+            self._failed(job, exc)
+
+    def _failed(self, job: _Save, exc: BaseException) -> None:
+        self.errors.append(str(exc))
+        log.error("checkpoint of step %s failed, training goes on: %s", job.step, exc)
+        print(f"trainguard: rank {job.rank}: checkpoint of step {job.step} failed, training goes on: {exc}",
+              file=sys.stderr, flush=True)
+        self._emit("checkpoint_failed", rank=job.rank, step=job.step, error=str(exc)[-500:])
+
+    def _emit(self, event: str, **fields) -> None:
+        events = self._events
+        if events is None:
+            try:
+                events = _runtime().events
+            except Exception as exc:  # no runtime (a test, a tool): the log line is the report
+                log.debug("no event log for %s: %s", event, exc)
+                return
+        events.emit(event, **fields)
+
+    def settle(self, patience: float | None = None) -> None:
+        """Wait for the save in flight here and in siblings; a commit still waiting for peers gives
+        up after `patience` seconds (None: its own timeout)."""
+        for saver in (self, *self._siblings):
+            saver._writer.settle(patience)
+
+    def wait(self) -> None:
+        self.settle(None)
+
+    def on_train_end(self, session) -> None:
+        self.wait()
 
     # --- dying gasp ------------------------------------------------------------------------
 
@@ -138,31 +252,29 @@ class ModelCheckpoint:
 
     def save_dying_gasp(self, snap, rank: int, own: bytes, steps_per_epoch: int | None,
                         world_size: int) -> Path | None:
-        """Write `rank`'s state at `snap` now, in this thread; None if a complete one is already there.
-        Raises CheckpointError; a cut write never looks complete (format.py renames it into place last)."""
-        job = self._job(snap, rank, own, steps_per_epoch, world_size)
-        folder = job.pop("folder")
-        if any(c.step == job["step"] for c in list_checkpoints(folder.parent, self.prefix)):
+        """Write `rank`'s part of `snap` now, in this thread; None if that step is complete on disk
+        already. The part of rank 0 makes this process its committer: `commit_dying_gasp` then
+        finishes it. Raises CheckpointError; a cut write never looks complete."""
+        job = self._job(snap, rank, steps_per_epoch, world_size)
+        if self._already_saved(job):
             return None
-        save_checkpoint(folder, job.pop("shards"), **job)
-        prune_checkpoints(folder.parent, self.prefix, self.config.keep_checkpoint_max)
-        return folder
+        jobsave.write_part(job.tmp, rank, job.step, job.tensors, job.meta, job.sid)
+        if rank == 0:
+            self._gasp_commits.append(job)
+        return job.folder
 
-    def _write(self, **job) -> None:
-        try:
-            save_checkpoint(job.pop("folder"), job.pop("shards"), **job)
-            prune_checkpoints(self.directory, self.prefix, self.config.keep_checkpoint_max)
-        except (CheckpointError, OSError) as exc:
-            self.errors.append(str(exc))
-            log.error("checkpoint of step %s failed, training goes on: %s", job.get("step"), exc)
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def on_train_end(self, session) -> None:
-        self.wait()
+    def commit_dying_gasp(self, deadline: float) -> tuple[list[Path], list[str]]:
+        """Commit the dying-gasp saves this process wrote rank 0's part of, waiting for the other
+        ranks' parts until `deadline` (time.monotonic()); (folders done, errors)."""
+        done, errors = [], []
+        while self._gasp_commits:
+            job = self._gasp_commits.pop(0)
+            try:
+                done.append(self._commit(job, max(0.1, deadline - time.monotonic())))
+            except (CheckpointError, OSError) as exc:
+                errors.append(str(exc))
+                log.error("dying-gasp checkpoint of step %d not completed: %s", job.step, exc)
+        return done, errors
 
 
 class ExceptionCheckpoint(ModelCheckpoint):
@@ -186,7 +298,13 @@ class DiskSources(list):
     finds complete steps on disk and loads one, whichever of them holds it."""
 
     def __init__(self, *candidates):
-        unique = {(c.root.resolve(), c.prefix): c for c in candidates if isinstance(c, ModelCheckpoint)}
+        unique: dict[tuple, ModelCheckpoint] = {}
+        for c in candidates:
+            if isinstance(c, ModelCheckpoint):
+                key = (c.root.resolve(), c.prefix)
+                if key in unique and unique[key] is not c:
+                    c._siblings.append(unique[key])  # settle/wait covers the one it replaces
+                unique[key] = c
         super().__init__(unique.values())
 
     def complete_steps(self) -> list[int]:

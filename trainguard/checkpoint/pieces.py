@@ -116,18 +116,26 @@ def without_advice(exc: Exception) -> str:
 
 
 def open_checkpoint(path: str | Path, *, prefer: int = 0, avoid: frozenset[int] = frozenset()) -> PieceReader:
-    """A reader for the checkpoint at `path`. A version-1 checkpoint with one file reads as if
-    that file held whole tensors."""
+    """A reader for the checkpoint at `path`. A version-1 checkpoint with one file, or a training
+    job's checkpoint (rank 0's file), reads as if that file held whole tensors."""
     folder = checkpoint_folder(path)
     manifest = read_manifest(folder)
     layout = manifest_layout(manifest)
     if layout is not None:
         return PieceReader(folder, manifest, layout, prefer=prefer, avoid=avoid)
+    if "ranks" in manifest:  # a training job's checkpoint: rank 0's data-parallel state, or a replica of it
+        from .jobsave import read_rank_file
+
+        tensors = read_rank_file(folder, manifest, manifest["ranks"]["0"]["file"], repair=False)[0]
+        return _single(folder, manifest, manifest["ranks"]["0"]["file"], tensors)
     if len(manifest["files"]) != 1:
         raise CheckpointError(f"{folder / MANIFEST}: a version-1 checkpoint with {len(manifest['files'])} files has "
                               "no layout saying how they fit together; read it with trainguard.checkpoint.format")
     (name, entry), = manifest["files"].items()
-    tensors = read_shard(folder / name, entry)
+    return _single(folder, manifest, name, read_shard(folder / name, entry))
+
+
+def _single(folder: Path, manifest: dict, name: str, tensors: dict) -> PieceReader:
     specs = {k: TensorLayout(dtype_name(t.dtype), tuple(t.shape), (Piece(Slice.full(t.shape), (0,)),))
              for k, t in tensors.items()}
     reader = PieceReader(folder, manifest, CheckpointLayout("integrated", (name,), specs, ((0,),)))

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ..errors import CheckpointCorrupt, CheckpointError
 from .format import _fsync_dir, _write_json, read_shard, write_shard
-from .pieces import open_checkpoint, without_advice
+from .format import read_manifest
+from .pieces import checkpoint_folder, open_checkpoint, without_advice
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -82,6 +83,11 @@ def _parse(path: Path, rank: int | None) -> list[int]:
     return sorted(ranks)
 
 
+def _is_job(path: str | Path) -> bool:
+    """A training job's checkpoint (format 3: one file per rank and every rank's state)."""
+    return "ranks" in read_manifest(checkpoint_folder(path))
+
+
 # --- recovery ------------------------------------------------------------------------------------
 
 
@@ -94,7 +100,12 @@ class Recovered:
 
 def recover_rank(folder: str | Path, rank: int) -> Recovered:
     """Rebuild rank `rank`'s file of a sliced checkpoint from its replicas, verified against the
-    manifest's sha256, and restore its group info file. An intact file is left as it is."""
+    manifest's sha256, and restore its group info file. An intact file is left as it is.
+    A training job's checkpoint (format 3) copies a bit-identical replica (jobsave.py)."""
+    if _is_job(folder):
+        from .jobsave import recover_job_rank
+
+        return recover_job_rank(checkpoint_folder(folder), rank)
     reader = open_checkpoint(folder, prefer=rank, avoid=frozenset({rank}))
     folder, layout, manifest = reader.folder, reader.layout, reader.manifest
     if layout.kind != "sliced":
@@ -172,6 +183,10 @@ class Verified:
 def verify_checkpoint(path: str | Path) -> Verified:
     """Hash and check every file of a checkpoint against its manifest and layout, and say which
     damaged slices still have an intact replica."""
+    if _is_job(path):
+        from .jobsave import verify_job
+
+        return verify_job(checkpoint_folder(path))
     reader = open_checkpoint(path)
     problems, damaged = {}, set()
     for rank, name in enumerate(reader.layout.rank_files):

@@ -1,8 +1,11 @@
 """Which checkpoint folders in a directory are complete, and retention: pruning old ones and stale temps.
 
 A folder counts when its manifest parses and every listed file has its listed size (no hashing:
-loads verify the sha256). Pruning renames a folder aside before deleting it, so no half-deleted
-folder is ever left under a real checkpoint name.
+loads verify the sha256). In a training job's checkpoint (format 3) a file may also be missing
+when another file with the same sha256 and size stands in: loading reads that replica and
+rewrites the missing file (jobsave.py). Pruning renames a folder aside before deleting it, so no
+half-deleted folder is ever left under a real checkpoint name, and always keeps the newest
+complete checkpoint.
 """
 
 from __future__ import annotations
@@ -20,21 +23,28 @@ from .format import _TEMP_TAGS, STALE_TEMP_SECONDS, CheckpointInfo, _remove, rea
 log = logging.getLogger("trainguard.checkpoint")
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
 def _is_complete(folder: Path) -> dict | None:
     try:
         m = read_manifest(folder)
     except CheckpointCorrupt as exc:
         log.warning("ignoring incomplete checkpoint folder: %s", exc)
         return None
+    sizes = {name: _size(folder / name) for name in m["files"]}
+    intact = {(e["sha256"].lower(), e["bytes"]) for n, e in m["files"].items() if sizes[n] == e["bytes"]}
     for name, entry in m["files"].items():
-        try:
-            size = (folder / name).stat().st_size
-        except OSError:
-            size = -1
-        if size != entry["bytes"]:
-            log.warning("ignoring checkpoint %s: %s is %s bytes, the manifest says %s",
-                        folder, name, "missing" if size < 0 else size, entry["bytes"])
-            return None
+        size = sizes[name]
+        if size == entry["bytes"] or ("ranks" in m and (entry["sha256"].lower(), entry["bytes"]) in intact):
+            continue
+        log.warning("ignoring checkpoint %s: %s is %s bytes, the manifest says %s",
+                    folder, name, "missing" if size < 0 else size, entry["bytes"])
+        return None
     return m
 
 

@@ -197,8 +197,9 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({
             "generation": gen,
             "failed_generation": failed_gen,
-            "failures": [
-                {k: f[k] for k in ("node", "rank", "signal", "kind") if k in f} for f in failures
+            "failures": [  # the dead first: a survivor's failed collective is a consequence, not a cause
+                {k: f[k] for k in ("node", "rank", "signal", "kind") if k in f}
+                for f in sorted(failures, key=lambda f: f.get("kind") == "collective")
             ],
             "failure_ts": t_fail,
             "fault_ts": fault["ts"] if fault else None,

@@ -7,6 +7,8 @@ always share a step and the next run's restore agreement finds it (recovery/plan
 lowest surviving rank also writes each dead rank's state from the replicas it holds: shared
 state is the same on every data-parallel rank, and each snapshot carries every rank's own part
 (RNG, data position) once replicated. What cannot be written is said, never papered over.
+Each rank's state is its part of the checkpoint's shared folder; whoever writes rank 0's part
+waits for the others and completes it (checkpoint/jobsave.py).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def dump_targets(snapshots, rt, *, patience: float) -> tuple[list[tuple], list[s
 class DumpResult:
     grace: float
     saved: list[tuple[int, int, str]] = field(default_factory=list)  # (rank, step, folder or "" if already there)
+    completed: list[str] = field(default_factory=list)  # folders this process wrote the manifest of
     errors: list[str] = field(default_factory=list)
     pending: bool = False  # still writing at the deadline: abandoned, never marked complete
     no_saver: bool = False
@@ -107,6 +110,8 @@ class DumpResult:
             where = sorted({f for _, _, f in self.saved if f})
             parts.append(f"dying-gasp checkpoint of step {', '.join(map(str, self.saved_steps()))} saved"
                          + (f" ({', '.join(where)})" if where else " (already on disk)"))
+        if self.completed:
+            parts.append(f"completed (manifest written): {', '.join(self.completed)}")
         if self.errors:
             parts.append("dying-gasp save failed: " + "; ".join(self.errors))
         if self.pending:
@@ -116,8 +121,14 @@ class DumpResult:
         return "; ".join(parts) or "nothing to save"
 
 
-def write_dying_gasp(savers, items: list[tuple], session, deadline: float) -> DumpResult:
-    """Write each (snapshot, rank, own blob) with each saver, in a thread joined until `deadline`."""
+def write_dying_gasp(savers, items: list[tuple], session, deadline: float,
+                     settle: float | None = None) -> DumpResult:
+    """Write each (snapshot, rank, own blob) with each saver, in a thread joined until `deadline`.
+
+    Every rank writes its part into the checkpoint's shared folder; the process that wrote rank
+    0's part then waits (until `deadline`) for the others and writes the manifest. A regular save
+    still in flight finishes first; with `settle` (after a fault: a peer may be dead) one still
+    waiting for its peers gives up after that many seconds."""
     result = DumpResult(grace=session.rt.cfg.grace_period)
     if not savers:
         result.no_saver = True
@@ -125,7 +136,7 @@ def write_dying_gasp(savers, items: list[tuple], session, deadline: float) -> Du
 
     def work() -> None:
         for saver in savers:
-            saver.wait()  # a regular save still in flight comes first (it may be this very step)
+            saver.settle(settle)  # a regular save still in flight comes first (it may be this very step)
             for snap, rank, own in items:
                 try:
                     folder = saver.save_dying_gasp(snap, rank, own, session.steps_per_epoch, session.rt.world_size)
@@ -133,6 +144,9 @@ def write_dying_gasp(savers, items: list[tuple], session, deadline: float) -> Du
                 except (CheckpointError, OSError) as exc:
                     result.errors.append(f"rank {rank} step {snap.step}: {exc}")
                     log.error("dying-gasp checkpoint of rank %d step %d failed: %s", rank, snap.step, exc)
+            done, errors = saver.commit_dying_gasp(deadline)
+            result.completed += [str(f) for f in done]
+            result.errors += errors
 
     thread = threading.Thread(target=work, name=GASP_THREAD, daemon=True)
     thread.start()

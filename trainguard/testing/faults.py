@@ -10,10 +10,14 @@ MTTR is measured from.
 
 TG_FAULT_SLOW_SAVE=S makes every dying-gasp checkpoint file take S seconds longer to write (it
 sleeps after each file, before the manifest): a save the grace period cannot hold.
+
+TG_FAULT_DISK_FULL="rank:step,..." makes that rank's checkpoint file of that step fail as a full
+disk does: part of the file is written, then OSError(ENOSPC). Training must go on.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -25,6 +29,7 @@ from ..train.callbacks import Callback
 
 FAULT_ENV = "TG_FAULT"
 SLOW_SAVE_ENV = "TG_FAULT_SLOW_SAVE"
+DISK_FULL_ENV = "TG_FAULT_DISK_FULL"
 HOWS = ("kill", "term", "stop", "raise", "sched", "collective")
 
 
@@ -116,8 +121,8 @@ def slow_dying_gasp_writes(seconds: float) -> None:
     if getattr(real, "_slowed", False):
         return
 
-    def slow(path, tensors):
-        out = real(path, tensors)
+    def slow(path, tensors, *args, **kwargs):
+        out = real(path, tensors, *args, **kwargs)
         if threading.current_thread().name == GASP_THREAD:
             time.sleep(seconds)
         return out
@@ -126,7 +131,39 @@ def slow_dying_gasp_writes(seconds: float) -> None:
     fmt.write_shard = slow
 
 
+def disk_full_at(points: set[tuple[int, int]]) -> None:
+    """Make the checkpoint file of each (rank, step) in `points` hit a full disk: a few bytes are
+    written, then OSError(ENOSPC) is raised, as a real full disk does mid-write."""
+    from ..checkpoint import format as fmt
+    from ..checkpoint import jobsave
+
+    real = fmt.write_shard
+
+    def full(path, tensors, *args, **kwargs):
+        if jobsave.WRITING.get() not in points:
+            return real(path, tensors, *args, **kwargs)
+        with open(path, "xb") as f:
+            f.write(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected by " + DISK_FULL_ENV + ")", str(path))
+
+    full._slowed = getattr(real, "_slowed", False)
+    fmt.write_shard = full
+
+
+def disk_full_from_env(env=None) -> None:
+    raw = (os.environ if env is None else env).get(DISK_FULL_ENV, "").strip()
+    if not raw:
+        return
+    try:
+        points = {(int(r), int(s)) for r, s in (item.split(":") for item in raw.split(",") if item.strip())}
+    except ValueError:
+        raise ConfigError(f"{DISK_FULL_ENV}={raw!r}: expected items like 1:8 (rank:step)") from None
+    disk_full_at(points)
+
+
 def slow_saves_from_env(env=None) -> None:
+    """TG_FAULT_SLOW_SAVE, and TG_FAULT_DISK_FULL (the session installs both through this call)."""
+    disk_full_from_env(env)
     raw = (os.environ if env is None else env).get(SLOW_SAVE_ENV, "").strip()
     if not raw:
         return

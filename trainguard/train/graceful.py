@@ -9,6 +9,8 @@ learns it at the same committed step s, whichever rank got the signal. Then ever
   1. saves a dying-gasp checkpoint of step s with each saver (ModelCheckpoint with
      CheckpointConfig(exception_save=True), or ExceptionCheckpoint) before its deadline:
      signal time + grace period (TG_GRACE_PERIOD, the launcher's --grace-period) less a margin;
+     each rank writes its own file into the checkpoint's shared folder, and rank 0 writes the
+     manifest once every rank's file is there (checkpoint/jobsave.py);
   2. tells the scheduler it stopped (the job ends STOPPED, the next run starts a new job);
   3. raises JobStopped(EXIT_PREEMPTED): the process exits with code 75.
 
@@ -115,13 +117,15 @@ def stop_on_fault(session, reason: str) -> NoReturn:
     if hasattr(session.state.model, "drop"):
         session.state.model.drop()
     rt.drop_group()  # peers still blocked in a collective with us fail at once
+    for saver in session.disk_sources:  # a save waiting for a dead peer's part is left incomplete
+        saver.settle(GOODBYE_PATIENCE_S)
     result = None
     if strategy.dump:
         deadline = session.stop.deadline(rt.cfg.grace_period)
         items, notes = dump_targets(session.snapshots, rt, patience=GOODBYE_PATIENCE_S)
         for note in notes:
             print(f"trainguard: rank {rt.rank}: dump: {note}", file=sys.stderr, flush=True)
-        result = write_dying_gasp(session.gasp_savers, items, session, deadline)
+        result = write_dying_gasp(session.gasp_savers, items, session, deadline, settle=GOODBYE_PATIENCE_S)
     saved = f"; {result.describe()}" if result is not None else ""
     rt.events.emit("stopped_on_fault", rank=rt.rank, step=session.step, strategy=str(strategy), reason=reason[-500:],
                    saved=result.saved_steps() if result else [])

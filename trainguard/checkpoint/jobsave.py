@@ -1,0 +1,320 @@
+"""A training job's checkpoint: one shared folder, each rank writes its part, one rank commits it.
+
+    directory/{prefix}-{epoch}_{step}/
+        rank_0.safetensors ... rank_{N-1}.safetensors   each rank's shared state (model, optimizer, ...)
+        manifest.json    format 3, written last: step, epoch, world size, each file's sha256,
+                         every rank's own state (RNG, data position), append_info
+
+Saves are asynchronous, so the ranks cannot meet in a collective while they write. Each rank
+writes into the hidden temp folder `.{name}.tmp-{step}-{save id}`. Every rank derives the save
+id from its snapshot: a hash of the step and of every rank's own state, which the snapshot's
+all-gather made identical everywhere. A rank writes its file under a private name, fsyncs it,
+renames it to `rank_R.safetensors`, then leaves the marker `rank_R.done.json` (sha256 and size).
+The committer, which is whoever writes rank 0's part, waits (bounded) for every marker. It then
+writes manifest.json, fsyncs, and renames the folder into place. A rank whose write fails leaves
+`rank_R.failed.json`, and the committer gives up at once. A folder that lacks any rank never
+gets a manifest, so it is never listed as complete.
+
+The directory must be shared by every rank (one host, or a shared filesystem), as torch DCP
+requires.
+
+Loading rank R reads rank_R.safetensors, verified. Any other file that the manifest lists with
+the same sha256 is a bit-identical replica (in data parallel, every rank's file is). So when
+rank_R.safetensors is missing or corrupt, a replica is read instead and the file is rewritten
+from it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextvars
+import hashlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+
+from ..errors import CheckpointCorrupt, CheckpointError
+from . import format as fmt
+from .blob import unpack
+from .codec import unflatten_state
+
+log = logging.getLogger("trainguard.checkpoint")
+
+META_KEY = "trainguard_meta"  # the state's structure (codec meta), in each file's safetensors metadata
+POLL_S = 0.05
+# (rank, step) of the part this thread is writing, for fault injection (trainguard.testing.faults)
+WRITING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("trainguard_writing", default=None)
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank}.safetensors"
+
+
+def _marker(tmp: Path, rank: int, kind: str) -> Path:
+    return tmp / f"rank_{rank}.{kind}.json"
+
+
+def save_id(name: str, step: int, blobs: dict[int, bytes]) -> str:
+    """What every rank computes alike for one save: the temp folder's tag."""
+    h = hashlib.sha256(f"{name}\0{step}\0{len(blobs)}".encode())
+    for r in sorted(blobs):
+        h.update(hashlib.sha256(blobs[r]).digest())
+    return h.hexdigest()[:16]
+
+
+def temp_for(folder: Path, step: int, sid: str) -> Path:
+    return fmt.temp_folder(folder, f"{step}-{sid}")
+
+
+def _write_small_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def write_part(tmp: Path, rank: int, step: int, tensors: dict, meta: dict, sid: str) -> dict:
+    """Write `rank`'s file of step `step` and its done marker into `tmp`. On failure leave a failed
+    marker (so the committer stops waiting) and raise CheckpointError naming the file."""
+    name, current = rank_file(rank), tmp
+    WRITING.set((rank, step))
+    for kind in ("done", "failed"):
+        _marker(tmp, rank, kind).unlink(missing_ok=True)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        private = current = tmp / f".{name}.{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            sha, size = fmt.write_shard(private, tensors, {META_KEY: json.dumps(meta, allow_nan=False)})
+            current = tmp / name
+            os.replace(private, current)
+        finally:
+            private.unlink(missing_ok=True)
+        entry = {"save_id": sid, "rank": rank, "file": name, "sha256": sha, "bytes": size}
+        current = _marker(tmp, rank, "done")
+        _write_small_json(current, entry)
+        current = tmp
+        fmt._fsync_dir(tmp)
+        return entry
+    except (OSError, CheckpointError) as exc:
+        why = f"{exc.strerror or exc} [errno {exc.errno}]" if isinstance(exc, OSError) else str(exc)
+        error = f"rank {rank} could not write its part of step {step}, {current}: {why}"
+        try:
+            _write_small_json(_marker(tmp, rank, "failed"), {"save_id": sid, "rank": rank, "error": error})
+        except OSError as again:
+            log.error("could not leave a failed marker in %s either (%s): the committer waits until its timeout",
+                      tmp, again)
+        raise CheckpointError(error) from exc
+
+
+def _read_markers(tmp: Path, world_size: int, sid: str) -> tuple[dict[int, dict], list[str]]:
+    done, failed = {}, []
+    for rank in range(world_size):
+        for kind in ("failed", "done"):
+            try:
+                obj = json.loads(_marker(tmp, rank, kind).read_bytes())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(obj, dict) or obj.get("save_id") != sid or obj.get("rank") != rank:
+                continue
+            if kind == "failed":
+                failed.append(str(obj.get("error", f"rank {rank} failed")))
+                break
+            if obj.get("file") == rank_file(rank):
+                done[rank] = obj
+    return done, failed
+
+
+def commit(folder: Path, step: int, sid: str, manifest: dict, *, timeout: float,
+           give_up=lambda: False) -> Path:
+    """Wait until every rank of `manifest["world_size"]` left its done marker in the save's temp
+    folder, then write the manifest and rename the folder into place. `give_up()` true: stop
+    waiting (the temp folder stays, so a re-save of this step can still finish it)."""
+    tmp, world = temp_for(folder, step, sid), manifest["world_size"]
+    start = time.monotonic()
+    while True:
+        done, failed = _read_markers(tmp, world, sid)
+        if failed:
+            fmt._remove(tmp)
+            raise CheckpointError(f"checkpoint {folder} of step {step} abandoned: " + "; ".join(failed))
+        missing = [r for r in range(world) if r not in done]
+        if not missing:
+            break
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            raise CheckpointError(f"checkpoint {folder} of step {step} is not complete: waited {timeout:g} s for "
+                                  f"rank(s) {missing} to write their part into {tmp}; is the directory shared by "
+                                  "every rank?")
+        if give_up():
+            raise CheckpointError(f"checkpoint {folder} of step {step} is not complete: the job is recovering or "
+                                  f"leaving, and rank(s) {missing} have not written their part into {tmp}")
+        time.sleep(POLL_S)
+    for rank in range(world):
+        _marker(tmp, rank, "done").unlink(missing_ok=True)
+    for leftover in tmp.glob(".rank_*"):  # a private file of a writer killed before its rename
+        leftover.unlink(missing_ok=True)
+    written = {e["file"]: {"sha256": e["sha256"], "bytes": e["bytes"]} for e in done.values()}
+    return fmt.commit_checkpoint(folder, f"{step}-{sid}", manifest, written=written)
+
+
+def ranks_entry(blobs: dict[int, bytes]) -> dict:
+    """The manifest's "ranks": each rank's file, data position and own state (a pickle-free blob)."""
+    return {str(r): {"file": rank_file(r), "progress": unpack(blob, f"rank {r}'s state")["progress"],
+                     "state": base64.b64encode(blob).decode("ascii")} for r, blob in sorted(blobs.items())}
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def _replicas(manifest: dict, name: str) -> list[str]:
+    want = manifest["files"][name]
+    return [n for n, e in manifest["files"].items()
+            if n != name and e["sha256"].lower() == want["sha256"].lower() and e["bytes"] == want["bytes"]]
+
+
+def _read(folder: Path, manifest: dict, name: str) -> tuple[dict, dict]:
+    tensors, metadata = fmt.read_shard_metadata(folder / name, manifest["files"][name])
+    try:
+        return tensors, json.loads(metadata[META_KEY])
+    except (KeyError, ValueError) as exc:
+        raise fmt._corrupt(folder / name, f"has no readable {META_KEY} metadata ({exc!r})") from None
+
+
+def read_rank_file(folder: Path, manifest: dict, name: str, *, repair: bool = True) -> tuple[dict, dict, str]:
+    """(tensors, codec meta, the file they came from): `name`, else a bit-identical replica, which
+    then also rewrites `name` when `repair`. CheckpointCorrupt names every file tried."""
+    errors = []
+    for source in [name, *_replicas(manifest, name)]:
+        try:
+            tensors, meta = _read(folder, manifest, source)
+        except CheckpointCorrupt as exc:
+            errors.append(str(exc).removesuffix(f"; {fmt._FALLBACK}"))
+            continue
+        if source != name:
+            log.warning("%s; read its bit-identical replica %s instead", errors[0], source)
+            if repair:
+                copy_replica(folder, manifest, name, source)
+        return tensors, meta, source
+    raise CheckpointCorrupt(f"{folder / name}: no intact copy is left ({' | '.join(errors)}); {fmt._FALLBACK}")
+
+
+def copy_replica(folder: Path, manifest: dict, name: str, source: str) -> bool:
+    """Rewrite `name` with the bytes of `source`, kept only if its sha256 matches the manifest."""
+    entry, tmp = manifest["files"][name], folder / f".{name}.repair-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        data = (folder / source).read_bytes()
+        if hashlib.sha256(data).hexdigest() != entry["sha256"].lower():
+            raise OSError(f"{source} changed while it was copied")
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / name)
+        fmt._fsync_dir(folder)
+    except OSError as exc:
+        log.warning("could not rewrite %s from its replica %s: %s", folder / name, source, exc)
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.warning("rewrote %s from its replica %s (sha256 matches the manifest)", folder / name, source)
+    return True
+
+
+def load_rank(folder: Path, rank: int, world_size: int) -> tuple[dict, str]:
+    """({"shared", "own"} of `rank`, the file its shared state came from), verified."""
+    manifest = fmt.read_manifest(folder)
+    if "ranks" not in manifest:
+        raise CheckpointError(f"{folder}: is not a training job's checkpoint (format 3); load it with "
+                              "trainguard.load_checkpoint")
+    if manifest["world_size"] != world_size:
+        raise CheckpointError(f"{folder}: was saved by {manifest['world_size']} ranks, this job has {world_size}")
+    entry = manifest["ranks"][str(rank)]
+    tensors, meta, source = read_rank_file(folder, manifest, entry["file"])
+    try:
+        own = unpack(base64.b64decode(entry["state"], validate=True), f"rank {rank}'s state")
+    except (ValueError, CheckpointCorrupt) as exc:
+        raise fmt._corrupt(folder / fmt.MANIFEST, f"rank {rank}'s state is unreadable ({exc})") from None
+    return {"shared": unflatten_state(tensors, meta, copy=False), "own": own}, source
+
+
+class Waiter:
+    """A background writer that a recovery can hurry: `settle(patience)` lets a commit still
+    waiting for peers wait `patience` seconds more, then makes it give up."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self._give_up_at = float("inf")
+
+    def start(self, target, **kwargs) -> None:
+        self._give_up_at = float("inf")
+        self.thread = threading.Thread(target=target, kwargs=kwargs, name="trainguard-ckpt", daemon=True)
+        self.thread.start()
+
+    def give_up(self) -> bool:
+        return time.monotonic() >= self._give_up_at
+
+    def settle(self, patience: float | None) -> None:
+        if self.thread is None:
+            return
+        if patience is not None:
+            self._give_up_at = time.monotonic() + patience
+        self.thread.join()
+        self.thread, self._give_up_at = None, float("inf")
+
+
+# --- verify and recover (trainguard ckpt verify / recover) ---------------------------------------
+
+
+def verify_job(folder: Path):
+    """Hash every rank file of a job checkpoint and check every rank's state; say which damaged
+    files still have an intact bit-identical replica."""
+    from .replicas import Verified
+
+    manifest = fmt.read_manifest(folder)
+    problems, damaged, bad = {}, set(), set()
+    for r in range(manifest["world_size"]):
+        entry = manifest["ranks"][str(r)]
+        try:
+            if entry["file"] not in bad and entry["file"] not in problems:
+                _read(folder, manifest, entry["file"])
+        except CheckpointCorrupt as exc:
+            problems[entry["file"]] = str(exc).removesuffix(f"; {fmt._FALLBACK}").removeprefix(
+                f"{folder / entry['file']}: ")
+            bad.add(entry["file"])
+            damaged.add(r)
+        try:
+            unpack(base64.b64decode(entry["state"], validate=True), f"rank {r}'s state")
+        except (ValueError, CheckpointCorrupt) as exc:
+            problems[f"{fmt.MANIFEST} (rank {r}'s state)"] = str(exc)
+    lost = [name for name in sorted(bad) if all(n in bad for n in _replicas(manifest, name))]
+    lost += [p for p in problems if p.startswith(fmt.MANIFEST)]
+    return Verified(folder, problems, sorted(damaged), lost, manifest["world_size"])
+
+
+def recover_job_rank(folder: Path, rank: int):
+    """Rewrite rank `rank`'s file from an intact bit-identical replica; an intact file stays."""
+    from .replicas import Recovered
+
+    manifest = fmt.read_manifest(folder)
+    if not 0 <= rank < manifest["world_size"]:
+        raise CheckpointError(f"{folder}: has ranks 0..{manifest['world_size'] - 1}; there is no rank {rank}")
+    name = manifest["ranks"][str(rank)]["file"]
+    _, _, source = read_rank_file(folder, manifest, name, repair=False)
+    if source == name:
+        return Recovered(folder / name, (), True)
+    if not copy_replica(folder, manifest, name, source):
+        raise CheckpointError(f"{folder / name}: could not be rewritten from its replica {source}; see the log")
+    holder = next(int(r) for r, e in manifest["ranks"].items() if e["file"] == source)
+    return Recovered(folder / name, (holder,), False)
