@@ -309,3 +309,29 @@ def test_sigkill_after_grace_period(tmp_path: Path) -> None:
     rc, _, _ = _finish(proc)
     assert rc == 128 + signal.SIGINT
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("delay", [0.0, 1.5])
+def test_worker_killed_after_its_goodbye_is_not_restarted(tmp_path: Path, delay: float) -> None:
+    """A worker that dies after it told the scheduler it finished has nothing left to redo: it is not
+    restarted (a restarted one would only be refused as too late), whether the scheduler still runs
+    (it answers the exit report: already finished) or has ended the job (it exited 0)."""
+    script = _script(tmp_path, f"""
+        import os, signal, time
+        import trainguard as tg
+        rt = tg.init()
+        rt.finish()
+        print("said goodbye", flush=True)
+        if tg.get_rank() == 1:
+            time.sleep({delay})
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "0",
+                           "--recovery-path", str(tmp_path / "rec"), str(script)], cwd=tmp_path,
+                          env={**_env(), "OMP_NUM_THREADS": "1", "TG_HEARTBEAT_INTERVAL": "0.2"},
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("said goodbye") == 2
+    assert "worker 1 is not restarted: " in proc.stderr, proc.stderr[-3000:]
+    assert "restarting worker 1" not in proc.stderr

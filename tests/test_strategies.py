@@ -77,11 +77,10 @@ def test_exit_contradicts_what_restarts(other):
     assert "contradicts itself" in str(info.value) and "exit stops the whole job" in str(info.value)
 
 
-def test_recover_and_elastic_parse_but_are_refused_at_start():
-    for text in ("recover", "retry,elastic"):
-        s = parse_strategy(text)  # a pure parse accepts them
-        with pytest.raises(ConfigError, match="not implemented yet"):
-            require_implemented(s)
+def test_every_strategy_is_accepted_at_start():
+    for text in ("recover", "retry,elastic", "elastic,recover-in-place"):  # all built now
+        assert require_implemented(parse_strategy(text)).chosen
+    assert require_implemented(parse_strategy("retry,elastic")).elastic
     assert require_implemented(parse_strategy("retry,dump")).dump
 
 
@@ -100,7 +99,7 @@ def test_worker_env_names():
     cfg = from_env({**WORKER, "TG_RECOVER_STRATEGY": "retry,exit", "TG_MAX_RETRIES": "7", "TG_GRACE_PERIOD": "2.5"})
     assert str(cfg.recover_strategy) == "retry,exit" and cfg.recover_strategy.max_retries == 7
     assert cfg.grace_period == 2.5
-    for bad, name in (({"TG_RECOVER_STRATEGY": "recover"}, "not implemented"), ({"TG_MAX_RETRIES": "x"},
+    for bad, name in (({"TG_RECOVER_STRATEGY": "bogus"}, "unknown recover strategy"), ({"TG_MAX_RETRIES": "x"},
                       "TG_MAX_RETRIES"), ({"TG_GRACE_PERIOD": "0"}, "TG_GRACE_PERIOD")):
         with pytest.raises(ConfigError, match=name):
             from_env({**WORKER, **bad})
@@ -263,8 +262,8 @@ def test_bad_job_files_name_the_file_and_the_key(tmp_path, text, expected):
 def test_cli_refuses_unbuilt_strategies_and_contradictions_before_starting(tmp_path, capsys):
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    assert cli.main(["run", "--recover-strategy", "recover", str(script)]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    assert cli.main(["run", "--recover-strategy", "recover,bogus", str(script)]) == 2
+    assert "unknown recover strategy 'bogus'" in capsys.readouterr().err
     assert cli.main(["run", "--recover-strategy", "exit,recover-in-place", str(script)]) == 2
     assert "contradicts itself" in capsys.readouterr().err
     assert cli.main(["run", "--grace-period", "0", str(script)]) == 2

@@ -17,7 +17,8 @@ from typing import Mapping
 
 from .errors import ConfigError
 from .recovery.strategies import (
-    DEFAULT_MAX_RETRIES, DEFAULT_STRATEGY, RecoverStrategy, parse_strategy, require_implemented,
+    DEFAULT_ELASTIC_DEADLINE_S, DEFAULT_MAX_RETRIES, DEFAULT_STRATEGY, RecoverStrategy, parse_strategy,
+    require_implemented,
 )
 
 # --- names (declared once) ----------------------------------------------------
@@ -41,6 +42,7 @@ QUARANTINE_ENV = "TG_QUARANTINE"
 GRACE_PERIOD_ENV = "TG_GRACE_PERIOD"  # seconds from SIGTERM/SIGINT/SIGUSR1 to SIGKILL; the launcher's --grace-period
 RECOVER_STRATEGY_ENV = "TG_RECOVER_STRATEGY"  # e.g. "retry,recover-in-place"; the launcher's --recover-strategy
 MAX_RETRIES_ENV = "TG_MAX_RETRIES"  # in-process retries of a failed step in a row (the retry strategy)
+ELASTIC_DEADLINE_ENV = "TG_ELASTIC_DEADLINE"  # elastic: seconds a dead worker has to come back before the job shrinks
 # torchrun and OpenMPI
 TORCHRUN_RANK, TORCHRUN_WORLD = "RANK", "WORLD_SIZE"
 TORCHRUN_ADDR, TORCHRUN_PORT, TORCHRUN_LOCAL_RANK = "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"
@@ -237,7 +239,9 @@ def strategy_from_env(env: Mapping[str, str]) -> RecoverStrategy:
     """TG_RECOVER_STRATEGY and TG_MAX_RETRIES; recover and elastic are refused at start (not built yet)."""
     retries = env.get(MAX_RETRIES_ENV, "")
     limit = _int(MAX_RETRIES_ENV, retries, lo=0) if retries.strip() else DEFAULT_MAX_RETRIES
-    strategy = parse_strategy(env.get(RECOVER_STRATEGY_ENV), source=RECOVER_STRATEGY_ENV, max_retries=limit)
+    deadline = _float(env, ELASTIC_DEADLINE_ENV, DEFAULT_ELASTIC_DEADLINE_S)
+    strategy = parse_strategy(env.get(RECOVER_STRATEGY_ENV), source=RECOVER_STRATEGY_ENV, max_retries=limit,
+                              elastic_deadline=deadline)
     return require_implemented(strategy, RECOVER_STRATEGY_ENV)
 
 

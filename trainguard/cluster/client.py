@@ -239,18 +239,22 @@ class Heartbeater(threading.Thread):
 
 
 def report_exit(address: Address, node_id: str, pid: int, exit_code: int | None, signal: int | None,
-                detail: str, timeout: float = 5.0, *, final: bool = False) -> bool:
-    """From an agent: tell the scheduler a worker process exited. Best effort."""
+                detail: str, timeout: float = 5.0, *, final: bool = False) -> tuple[bool, str]:
+    """From an agent: tell the scheduler a worker process exited. Best effort.
+    Returns (taken, over): `over` is the scheduler's reason when that worker needs no replacement
+    (it had already finished, or the job is over), else ""."""
     try:
         conn = Connection(address, timeout=timeout)
     except SchedulerUnavailable:
-        return False
+        return False, ""
     try:
-        conn.request(p.ProcessExited(node_id=node_id, pid=pid, exit_code=exit_code, signal=signal,
-                                     detail=detail[-16000:], final=final), timeout)
-        return True
+        reply = conn.request(p.ProcessExited(node_id=node_id, pid=pid, exit_code=exit_code, signal=signal,
+                                             detail=detail[-16000:], final=final), timeout)
+        if isinstance(reply, p.Error) and reply.code is p.ErrorCode.JOB_OVER:
+            return True, reply.message
+        return True, ""
     except SchedulerUnavailable:
-        return False
+        return False, ""
     finally:
         conn.close()
 

@@ -21,6 +21,16 @@ the cluster is full but one member is dead takes the rank of the lowest dead mem
 Generations: a generation forms when all N members are alive and have joined it. When a
 member of a formed generation dies, or a survivor reports a failed collective, the
 generation number goes up and everyone must join the new one.
+
+Elastic (recover strategy `elastic`, `elastic_deadline` seconds): once the cluster has formed,
+a generation may also form without the members that have been DEAD for at least the deadline,
+as long as every live member has joined and at least one is left. Such a smaller generation
+numbers its members 0..n-1 in the order of their fixed ranks (surviving nodes renumbered in
+node order: with node 1 of 0,1,2 gone, node 0 is rank 0 and node 2 is rank 1). A dead node that
+registers again while a smaller generation runs bumps the generation (`decide_regrow`); the
+next generation, formed at the survivors' next commit point, holds it again at its own rank.
+A node's fixed rank (`Node.rank`) never changes; its rank in a generation is
+`generation_rank`, and the generation's size `generation_size`.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ class Node:
     admissions: list[float] = field(default_factory=list)  # times of re-admission (flapping)
     quarantined_until: float = 0.0
     failures: int = 0
+    dead_since: float = 0.0  # when it was last marked DEAD (0: unknown, e.g. loaded from cluster.db)
 
 
 @dataclass(slots=True)
@@ -73,6 +84,9 @@ class Cluster:
     job: JobState = JobState.RUNNING
     root_cause: str = ""
     next_generated_id: int = 0
+    members: tuple[str, ...] = ()  # node ids of the formed generation, in generation-rank order
+    finishing: tuple[str, ...] = ()  # elastic: the members whose generation agreed to finish (training done)
+
 
     def alive(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.state is NodeState.ALIVE]
@@ -129,6 +143,10 @@ def decide_register(
     if cluster.job is not JobState.RUNNING:
         return RegisterDecision(Action.REJECT, node_id, code=ErrorCode.JOB_OVER,
                                 reason=f"the job is {cluster.job.value}; start a new job instead")
+    if cluster.finishing:
+        return RegisterDecision(Action.REJECT, node_id, code=ErrorCode.JOB_OVER, reason=(
+            f"the job has finished its training (generation {cluster.generation} of "
+            f"{', '.join(cluster.finishing)} agreed to finish); node id {node_id!r} came back too late"))
     if worker_num != cluster.worker_num:
         return RegisterDecision(
             Action.REJECT, node_id, code=ErrorCode.MISMATCH,
@@ -245,10 +263,11 @@ def decide_failure(cluster: Cluster, node_id: str, incarnation: int | None, kind
     return FailureDecision(True, cluster.formed, not recovery, why)
 
 
-def apply_failure(cluster: Cluster, node_id: str, d: FailureDecision) -> None:
+def apply_failure(cluster: Cluster, node_id: str, d: FailureDecision, now: float = 0.0) -> None:
     if d.mark_dead:
         node = cluster.nodes[node_id]
         node.state = NodeState.DEAD
+        node.dead_since = now
         node.failures += 1
         cluster.joined.discard(node_id)
     if d.bump:
@@ -261,19 +280,97 @@ def apply_failure(cluster: Cluster, node_id: str, d: FailureDecision) -> None:
 def bump_generation(cluster: Cluster) -> None:
     cluster.generation += 1
     cluster.formed = False
+    cluster.members = ()
     cluster.joined.clear()
 
 
-def try_form(cluster: Cluster) -> bool:
-    """Form the pending generation if every one of the N members is alive and has joined."""
+@dataclass(frozen=True, slots=True)
+class Formation:
+    """Whether the pending generation can form now: its members (node ids in generation-rank order),
+    or None and why not; `wake_at`: when an elastic deadline will pass and the answer may change."""
+
+    members: tuple[str, ...] | None
+    reason: str
+    wake_at: float | None = None
+
+
+def decide_formation(cluster: Cluster, now: float = 0.0, elastic_deadline: float | None = None) -> Formation:
+    """Full formation: all N alive and joined. Elastic (a deadline given): after the first formation,
+    without the members dead for at least `elastic_deadline` s, if every live member has joined."""
     if cluster.formed:
+        return Formation(None, f"generation {cluster.generation} is already formed")
+    alive = [n for n in cluster.nodes.values() if n.state is NodeState.ALIVE]
+    waiting = sorted((n.node_id for n in alive if n.node_id not in cluster.joined), key=_natural)
+    if waiting:
+        return Formation(None, f"waiting for {', '.join(waiting)} to join")
+    if len(alive) == cluster.worker_num:
+        return Formation(tuple(n.node_id for n in sorted(alive, key=_sort_key)), "all members joined")
+    if elastic_deadline is None:
+        return Formation(None, f"{len(alive)} of {cluster.worker_num} members alive")
+    if len(cluster.nodes) < cluster.worker_num or any(n.rank < 0 for n in cluster.nodes.values()):
+        return Formation(None, "the cluster has never formed at full size; elastic shrinking starts after that")
+    if not alive:
+        return Formation(None, "no live member left")
+    others = [n for n in cluster.nodes.values() if n.state is not NodeState.ALIVE]
+    if any(n.state is NodeState.UNKNOWN for n in others):
+        return Formation(None, "members loaded from cluster.db have not reattached yet")
+    dead = [n for n in others if n.state is NodeState.DEAD]
+    due = max((n.dead_since + elastic_deadline for n in dead), default=now)
+    if now < due:
+        late = ", ".join(n.node_id for n in sorted(dead, key=_sort_key))
+        return Formation(None, f"{late} may come back until the elastic deadline ({due - now:.1f} s left)", due)
+    members = tuple(n.node_id for n in sorted(alive, key=_sort_key))
+    return Formation(members, f"elastic: going on with {len(members)} of {cluster.worker_num} "
+                              f"(without {', '.join(n.node_id for n in sorted(dead, key=_sort_key))})")
+
+
+def try_form(cluster: Cluster, now: float = 0.0, elastic_deadline: float | None = None) -> bool:
+    """Form the pending generation if `decide_formation` allows it (ranks are fixed on the first)."""
+    formation = decide_formation(cluster, now, elastic_deadline)
+    if formation.members is None:
         return False
-    members = [n for n in cluster.nodes.values() if n.state is NodeState.ALIVE]
-    if len(members) != cluster.worker_num or any(n.node_id not in cluster.joined for n in members):
-        return False
-    assign_ranks(cluster)
+    assign_ranks(cluster)  # the first full formation fixes them
+    cluster.members = tuple(sorted(formation.members, key=lambda x: _sort_key(cluster.nodes[x])))
     cluster.formed = True
     return True
+
+
+def generation_members(cluster: Cluster) -> tuple[str, ...]:
+    """Node ids of the current generation in generation-rank order (a scheduler restarted from
+    cluster.db has not stored them: every node that is not dead, by fixed rank)."""
+    if cluster.members:
+        return cluster.members
+    return tuple(n.node_id for n in sorted(cluster.nodes.values(), key=_sort_key)
+                 if n.state is not NodeState.DEAD and n.rank >= 0)
+
+
+def generation_rank(cluster: Cluster, node_id: str) -> int:
+    """The node's rank in the current generation (its fixed rank in a full one)."""
+    members = generation_members(cluster)
+    return members.index(node_id) if node_id in members else cluster.nodes[node_id].rank
+
+
+def generation_size(cluster: Cluster) -> int:
+    return len(generation_members(cluster)) or cluster.worker_num
+
+
+def decide_regrow(cluster: Cluster, node_id: str) -> bool:
+    """Elastic: a node just (re-)registered while a generation without it is formed, so that
+    generation must end (the survivors regroup at their next commit point and take it back)."""
+    return cluster.formed and node_id not in generation_members(cluster)
+
+
+def elastic_job_over(cluster: Cluster) -> JobState | None:
+    """Elastic: the job ends when no member is alive any more and at least one finished; the
+    dead ones are not waited for (their replacements, if any, are too late). Once a generation
+    agreed to finish (`finishing`), only its members are waited for."""
+    nodes = [cluster.nodes[x] for x in cluster.finishing if x in cluster.nodes] or list(cluster.nodes.values())
+    states = [n.state for n in nodes]
+    if any(st in (NodeState.ALIVE, NodeState.UNKNOWN) for st in states):
+        return None
+    if not any(st in (NodeState.FINISHED, NodeState.STOPPED) for st in states):
+        return None
+    return JobState.STOPPED if NodeState.STOPPED in states else JobState.DONE
 
 
 def missing_for_formation(cluster: Cluster) -> str:

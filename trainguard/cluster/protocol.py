@@ -155,8 +155,32 @@ class StoreOp(_Msg):
         return self
 
 
+# --- agents and the `recover` strategy (placement.py, agents.py) ---------------------
+
+
+class AgentSync(_Msg):
+    """From an agent, every few tenths of a second under `recover`: what it runs; answered with its orders."""
+
+    type: Literal["agent_sync"] = "agent_sync"
+    agent: int = Field(ge=0)  # its node rank
+    host: str = Field(max_length=255)
+    slots: int = Field(ge=1)
+    running: list[NodeId] = Field(default_factory=list, max_length=4096)
+    handled: list[int] = Field(default_factory=list, max_length=4096)  # order seqs it has carried out
+
+
+class AgentPlace(_Msg):
+    """From an agent whose worker died under `recover`: where does it start again?"""
+
+    type: Literal["agent_place"] = "agent_place"
+    agent: int = Field(ge=0)
+    node_id: NodeId
+    in_place_ok: bool = False
+
+
 Request = Annotated[
-    Union[Register, Reattach, Heartbeat, Join, ReportFailure, Agree, Finish, ProcessExited, Status, StoreOp],
+    Union[Register, Reattach, Heartbeat, Join, ReportFailure, Agree, Finish, ProcessExited, Status, StoreOp,
+          AgentSync, AgentPlace],
     Field(discriminator="type"),
 ]
 
@@ -213,6 +237,27 @@ class StatusReply(_Msg):
     state: dict
 
 
+class Order(_Msg):
+    seq: int
+    node_id: str
+    origin: int  # the agent it died on
+
+
+class AgentOrders(_Msg):
+    type: Literal["agent_orders"] = "agent_orders"
+    start: list[Order] = Field(default_factory=list)
+    job: str = "running"
+    root_cause: str = ""
+    elsewhere: int = 0  # workers running on (or placed on) the other live agents
+
+
+class Placed(_Msg):
+    type: Literal["placed"] = "placed"
+    action: Literal["move", "in_place", "fail"]
+    target: int | None = None
+    reason: str = ""
+
+
 class Ok(_Msg):
     type: Literal["ok"] = "ok"
 
@@ -225,7 +270,7 @@ class Error(_Msg):
 
 
 Reply = Annotated[
-    Union[Registered, HeartbeatAck, Formed, Agreed, StoreReply, StatusReply, Ok, Error],
+    Union[Registered, HeartbeatAck, Formed, Agreed, StoreReply, StatusReply, AgentOrders, Placed, Ok, Error],
     Field(discriminator="type"),
 ]
 

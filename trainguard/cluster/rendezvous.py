@@ -26,8 +26,8 @@ class SchedulerStore(dist.Store):
         self._generation = generation
         self._timeout = timeout.total_seconds()
 
-    def _op(self, op: str, keys: list[str], timeout: float | None = None, **kw) -> p.StoreReply:
-        msg = p.StoreOp(generation=self._generation, op=op, keys=keys, timeout=timeout or self._timeout, **kw)
+    def _op(self, op: str, keys: list[str], **kw) -> p.StoreReply:
+        msg = p.StoreOp(generation=self._generation, op=op, keys=keys, timeout=self._timeout, **kw)
         return self._client.store(msg)
 
     def set(self, key, value):
@@ -43,7 +43,9 @@ class SchedulerStore(dist.Store):
         return self._op("check", list(keys)).flag
 
     def wait(self, keys, timeout=None):
-        self._op("wait", list(keys), timeout.total_seconds() if isinstance(timeout, timedelta) else timeout)
+        # gloo passes the group's build timeout (short); the scheduler ends a wait as soon as the
+        # generation changes, so the store's own (collective) timeout only bounds a live, slow peer
+        self._op("wait", list(keys))
 
     def compare_set(self, key, expected, desired):
         return self._op("compare_set", [key], expected=_b(expected), value=_b(desired)).value

@@ -14,7 +14,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 from ..config import ClusterConfig, check_recovery_path, this_host
 from ..errors import ClusterStateError, ConfigError, ProtocolError
@@ -24,7 +23,10 @@ from . import membership as m
 from . import protocol as p
 from .db import ClusterDB
 from .kvstore import KVStore
-from .decisions import decide_agreement
+from .sched_rendezvous import RendezvousRequests
+from .agents import AgentBoard  # recover: where a dead worker starts again (hooks: _on_agent_*)
+from .placement import PlacementPolicy
+from .elastic import ElasticScheduling
 
 log = logging.getLogger("trainguard.scheduler")
 
@@ -33,7 +35,9 @@ log = logging.getLogger("trainguard.scheduler")
 LINGER_MAX_S = 2.0  # a failed job's scheduler answers its survivors this long at most before it exits
 
 
-class Scheduler:
+class Scheduler(RendezvousRequests):
+    """Membership, fencing and the job's end; the rendezvous requests are in sched_rendezvous.py."""
+
     def __init__(self, cfg: ClusterConfig):
         self.cfg = cfg
         self.db: ClusterDB | None = None
@@ -59,7 +63,12 @@ class Scheduler:
         # a dead worker fails the job unless the recover strategy replaces it (exit, dump, retry alone do not)
         self.replaces_dead = cfg.enable_recovery and cfg.recover_strategy.restarts
         self.cluster = cluster or m.Cluster(worker_num=cfg.worker_num)
+        strategy = cfg.recover_strategy  # elastic: go on without members dead past the deadline
+        self.elastic = (ElasticScheduling(strategy.elastic_deadline, self.cluster, time.monotonic())
+                        if cfg.enable_recovery and strategy.elastic else None)
+        self.elastic_deadline = self.elastic.deadline if self.elastic else None
         self.kv = KVStore()
+        self.agents = AgentBoard(PlacementPolicy.from_env(os.environ), self.events)
         self._agreements: dict[tuple[int, str], dict[int, dict]] = {}
         self._decisions: dict[tuple[int, str], dict] = {}
         self._liveness: dict[int, tuple[str, int]] = {}  # id(writer) -> (node_id, incarnation)
@@ -147,6 +156,8 @@ class Scheduler:
                 detail = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
                 await self._fail(node.node_id, node.incarnation, p.FailureKind.HEARTBEAT, detail)
                 self._kill_if_local(node)
+            if self.elastic and not self.cluster.formed:  # a dead member's deadline may have passed
+                await self._try_form()
 
     def _kill_if_local(self, node: m.Node) -> None:
         """A hung (e.g. SIGSTOPped) worker on this host is killed so its peers' collectives fail fast."""
@@ -235,6 +246,8 @@ class Scheduler:
             return p.Error(code=d.code, message=d.reason, retry=d.retry)
         node = m.apply_register(c, d, req.host, req.pid, now, flap_limit=self.cfg.flap_limit,
                                 quarantine_s=self.cfg.quarantine_s)
+        if self.elastic and self.elastic.regrow(c, node.node_id):
+            self.events.emit("generation_bumped", generation=c.generation, by=node.node_id, reason="elastic_regrow")
         self._persist()
         log.info("registered %s as incarnation %d (pid %d on %s)%s", node.node_id, node.incarnation, req.pid,
                  req.host, f", replacing {d.replaces}" if d.replaces else "")
@@ -272,11 +285,12 @@ class Scheduler:
                     final: bool = False) -> None:
         c = self.cluster
         node = c.nodes.get(node_id)
-        d = m.decide_failure(c, node_id, incarnation, kind, detail, recovery=self.replaces_dead and not final)
+        keep_on = self.replaces_dead and (not final or self.elastic is not None)  # elastic goes on without it
+        d = m.decide_failure(c, node_id, incarnation, kind, detail, recovery=keep_on)
         if not (d.mark_dead or d.bump or d.fail_job):
             return
         before = c.generation
-        m.apply_failure(c, node_id, d)
+        m.apply_failure(c, node_id, d, time.monotonic())
         self._persist()
         log.warning("%s", d.reason)
         self.events.emit("failure_detected", node=node_id, rank=node.rank if node else -1, kind=kind.value,
@@ -296,6 +310,8 @@ class Scheduler:
         node = self.cluster.nodes.get(req.node_id)
         if node is None or node.pid != req.pid:
             return p.Ok()  # an old incarnation, already replaced
+        if node.state in (m.NodeState.FINISHED, m.NodeState.STOPPED):  # it had said goodbye: nothing to replace
+            return p.Error(code=p.ErrorCode.JOB_OVER, message=f"worker {req.node_id} had already {node.state.value}")
         how = f"killed by signal {req.signal}" if req.signal else f"exited with code {req.exit_code}"
         detail = how + (f"\n{req.detail}" if req.detail else "")
         await self._fail(req.node_id, node.incarnation, p.FailureKind.EXITED, detail, final=req.final)
@@ -309,6 +325,8 @@ class Scheduler:
             await self._fail(req.node_id, req.incarnation, p.FailureKind.EXCEPTION, req.detail)
             return p.Ok()
         m.apply_finish(self.cluster, req.node_id, req.stopped, req.detail)
+        if self.elastic:
+            self.elastic.job_over(self.cluster)
         self._persist()
         self.events.emit("stopped" if req.stopped else "finished", node=req.node_id, rank=node.rank)
         await self._notify()
@@ -322,92 +340,14 @@ class Scheduler:
                                         worker_num=c.worker_num, root_cause=c.root_cause, nodes=nodes,
                                         scheduler_pid=os.getpid()))
 
-    # --- rendezvous ---------------------------------------------------------------------
+    # --- agents, for the recover strategy (agents.py) -------------------------------------
 
-    async def _on_join(self, req: p.Join):
-        c = self.cluster
-        deadline = time.monotonic() + req.timeout
-        while True:
-            over = self._job_over()
-            if over:
-                return over
-            node = self._current(req.node_id, req.incarnation)
-            if isinstance(node, p.Error):
-                return node
-            if c.formed and c.generation > req.after:
-                return self._formed_reply(node)
-            if c.formed and c.generation == req.after:
-                m.bump_generation(c)  # this member has left the formed generation
-                self._persist()
-                self.events.emit("generation_bumped", generation=c.generation, by=node.node_id)
-            c.joined.add(node.node_id)
-            if m.try_form(c):
-                self._persist()
-                self.kv.keep_only(c.generation)
-                log.info("generation %d formed with %d workers", c.generation, c.worker_num)
-                self.events.emit("generation_formed", generation=c.generation, world_size=c.worker_num)
-                await self._notify()
-                continue
-            gen = c.generation
-            changed = await self._wait(lambda: c.formed or c.generation != gen or self._job_over() is not None
-                                       or node.node_id not in c.joined, deadline)
-            if not changed:
-                return p.Error(code=p.ErrorCode.TIMEOUT, message=(
-                    f"waited {req.timeout:g} s for generation {c.generation} to form; "
-                    f"missing: {m.missing_for_formation(c)}"), retry=True)
+    async def _on_agent_sync(self, req: p.AgentSync):
+        return self.agents.sync(req, time.monotonic(), self.cluster.job.value, self.cluster.root_cause)
 
-    def _formed_reply(self, node: m.Node) -> p.Formed:
-        c = self.cluster
-        members = [p.Member(node_id=n.node_id, rank=n.rank, host=n.host, pid=n.pid, incarnation=n.incarnation)
-                   for n in sorted(c.alive(), key=lambda n: n.rank)]
-        return p.Formed(generation=c.generation, rank=node.rank, world_size=c.worker_num,
-                        local_rank=m.local_rank_of(c, node), members=members)
-
-    async def _on_agree(self, req: p.Agree):
-        c = self.cluster
-        node = self._current(req.node_id, req.incarnation)
-        if isinstance(node, p.Error):
-            return node
-        key = (req.generation, req.purpose)
-        fenced = p.Error(code=p.ErrorCode.FENCED, retry=True, message=(
-            f"generation {req.generation} is over (now {c.generation}); rejoin"))
-        if req.generation != c.generation or not c.formed:
-            return fenced
-        got = self._agreements.setdefault(key, {})
-        got[node.rank] = req.payload
-        if len(got) == c.worker_num and key not in self._decisions:
-            decision = decide_agreement(req.purpose, got)
-            self._decisions[key] = decision
-            self.events.emit(f"agreed_{req.purpose}", generation=req.generation, **{
-                k: v for k, v in decision.items() if k in ("step", "from_step", "error", "sources")})
-            await self._notify()
-        ok = await self._wait(lambda: key in self._decisions or c.generation != req.generation
-                              or self._job_over() is not None, time.monotonic() + req.timeout)
-        if key in self._decisions:
-            return p.Agreed(decision=self._decisions[key])
-        if not ok:
-            have = sorted(got)
-            return p.Error(code=p.ErrorCode.TIMEOUT, retry=True, message=(
-                f"waited {req.timeout:g} s to agree on {req.purpose}; ranks reported: {have}"))
-        return self._job_over() or fenced
-
-    async def _on_store(self, req: p.StoreOp):
-        c = self.cluster
-        if req.generation != c.generation:
-            return p.Error(code=p.ErrorCode.FENCED, retry=True, message=(
-                f"store access for generation {req.generation} refused (now {c.generation})"))
-        if req.op in ("get", "wait"):
-            keys = req.keys
-            ok = await self._wait(lambda: self.kv.has(req.generation, keys) or c.generation != req.generation,
-                                  time.monotonic() + req.timeout)
-            if c.generation != req.generation:
-                return p.Error(code=p.ErrorCode.FENCED, retry=True, message="generation changed during a store wait")
-            if not ok:
-                return p.Error(code=p.ErrorCode.TIMEOUT, message=f"store keys not set within {req.timeout:g} s: {keys}")
-        reply = self.kv.apply(req)
-        if req.op in ("set", "add", "compare_set", "delete"):
-            await self._notify()
-        return reply
+    async def _on_agent_place(self, req: p.AgentPlace):
+        over = self._job_over()
+        return self.agents.place(req, time.monotonic(), over.message if over else "")
 
 
 def run_scheduler(cfg: ClusterConfig) -> int:

@@ -20,77 +20,28 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import IO, Mapping, Sequence, TextIO
+from typing import Mapping, Sequence, TextIO
 
 from ..config import Role
 from ..errors import ConfigError
 from ..obs.events import EventLog, format_recovery, summarize_recovery
+from .relocate import Relocation
 from .policy import (
-    Action, Failure, LaunchSpec, decide_exit, ended_exit, exit_code_for, failure_summary, scheduler_env,
+    Action, Decision, Failure, LaunchSpec, decide_exit, ended_exit, exit_code_for, failure_summary, scheduler_env,
     signal_name, signalled_exit, spare_env, worker_env,
 )
+from .children import Child, _pump
 from .spares import SparePool, activate
 
 POLL_INTERVAL_S = 0.02
-TAIL_LINES = 40
 REPORT_TIMEOUT_S = 1.0  # a report delays the restart; keep it short
 PUMP_DRAIN_S = 0.25  # time to read the rest of a dead child's stderr
-
-
-# --- the children ------------------------------------------------------------------
-
-
-@dataclass(slots=True, eq=False)
-class Child:
-    role: Role
-    index: int  # local index on this host (0 for the scheduler)
-    node_id: str | None
-    cmd: list[str]
-    env: dict[str, str]
-    popen: subprocess.Popen | None = None
-    restarts: int = 0
-    done: bool = False  # exited 0: never polled again
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    pumps: list[threading.Thread] = field(default_factory=list)
-    log: IO[str] | None = None
-
-    @property
-    def name(self) -> str:
-        return "scheduler" if self.role is Role.SCHEDULER else f"worker {self.node_id}"
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-
-def _pump(stream: IO[bytes], prefix: str, sink: TextIO, lock: threading.Lock,
-          tail: deque[str] | None, log: IO[str] | None) -> None:
-    """Copy a child's pipe line by line to `sink` with a prefix (and to its log file)."""
-    broken = False
-    with stream:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            with lock:
-                if tail is not None:
-                    tail.append(line)
-                try:
-                    if log is not None:
-                        log.write(line + "\n")
-                        log.flush()
-                    if not broken:
-                        sink.write(f"{prefix}{line}\n")
-                        sink.flush()
-                except (OSError, ValueError) as exc:  # closed terminal or pipe: keep draining the child
-                    if not broken:
-                        broken = True
-                        print(f"[agent] cannot copy output of {prefix.strip()}: {exc}", file=sys.__stderr__)
 
 
 # --- the supervisor ----------------------------------------------------------------
 
 
-class Supervisor:
+class Supervisor(Relocation):
     """Runs one host's children until the job ends; `run()` returns the agent's exit code."""
 
     def __init__(self, spec: LaunchSpec, *, scheduler_cmd: Sequence[str] | None = None,
@@ -104,6 +55,7 @@ class Supervisor:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         base = os.environ if env is None else env
+        self._base = dict(base)
         self.children: list[Child] = []
         if spec.hosts_scheduler:
             cmd = list(scheduler_cmd or [sys.executable, "-m", "trainguard", "scheduler"])
@@ -123,6 +75,9 @@ class Supervisor:
         self._lock = threading.Lock()
         self._can_report = True
         self._exits: queue.Queue[tuple[Child, subprocess.Popen, int]] = queue.Queue()
+        self._placing = threading.Lock()  # recover: what runs here, as the sync thread reports it
+        self._handled: list[int] = []  # recover: the placement orders carried out here
+        self.link = None  # recover: relocate.PlacementLink, started in run()
 
     @property
     def workers(self) -> list[Child]:
@@ -148,10 +103,14 @@ class Supervisor:
                 self._start(child)
             if self.spares is not None:  # after the workers: they need the CPU first
                 self.spares.start()
+            if spec.recover_strategy.moves:
+                self._start_link()
             code = self._loop()
             self._print_recoveries()
             return code
         finally:
+            if self.link is not None:
+                self.link.close()
             self._close_spares()
             self._kill(self.children)
             for sig, handler in previous.items():
@@ -169,21 +128,25 @@ class Supervisor:
                 self._say(f"received {signal_name(signum)}; forwarding it to the workers, then the scheduler")
                 self._stop(signum)
                 return self._signalled_code(signum)
+            self._take_orders()
             try:
                 child, popen, rc = self._exits.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
+                child = None
+            if child is not None and popen is child.popen:  # else an incarnation already replaced
+                code = self._on_exit(child, rc)
+                if code is not None:
+                    return code
+            elif self.link is None:
                 continue
-            if popen is not child.popen:
-                continue  # an incarnation already replaced
-            code = self._on_exit(child, rc)
-            if code is not None:
-                return code
-            if all(w.done for w in self.workers):
+            if all(w.done for w in self.workers) and self._may_end():
                 self._finish()
                 return self._final_code()
 
     def _final_code(self) -> int:
         code, message = ended_exit(self.preempted, self.fault_stops, self.root, self.restarts_used)
+        if code == 0 and self.link is not None and self.link.job == "failed":  # failed on another host
+            code, message = 1, f"trainguard: the job failed: {self.link.root_cause}"
         if message:
             print(message, file=self.err, flush=True)
         return code
@@ -196,10 +159,14 @@ class Supervisor:
 
     def _on_exit(self, child: Child, rc: int) -> int | None:
         """Carry out the decision for one exit; return the agent's exit code if the job is over."""
+        if child.done and child.role is Role.WORKER:  # ended by us: an elastic latecomer (_end_latecomers)
+            return None
         decision = decide_exit(child.role, rc, self.restarts_used, self.spec.max_restarts, self.spec.recover_strategy,
                                stopping=self.preempted)
         if decision.action is Action.FINISHED:
             child.done = True
+            if child.role is Role.SCHEDULER and self.spec.recover_strategy.elastic:
+                self._end_latecomers()
             return None
         assert child.popen is not None
         for pump in child.pumps:
@@ -215,19 +182,49 @@ class Supervisor:
             return None
         self.root = self.root or failure
         self._say(failure.describe())
+        if decision.action is Action.LEFT_OUT and not any(w.alive() for w in self.workers if w is not child):
+            decision = Decision(Action.GIVE_UP, f"{decision.reason}, but no other worker is left here")
         if child.role is Role.WORKER:
-            self._report(child, failure, final=decision.action is Action.GIVE_UP)
+            over = self._report(child, failure, final=decision.action in (Action.GIVE_UP, Action.LEFT_OUT))
+            if over and decision.action is Action.RESTART:  # killed after its goodbye: nothing to redo
+                child.done = True
+                self._say(f"{child.name} is not restarted: {over}")
+                return None
+        if decision.action is Action.LEFT_OUT:  # elastic: the scheduler goes on without it after the deadline
+            child.done = True
+            self._say(f"{child.name} is not restarted: {decision.reason}")
+            return None
         if decision.action is Action.RESTART:
             self.restarts_used += 1
             child.restarts += 1
             self._kill([child])  # leftovers of the dead process's group
-            self._restart(child)
-            return None
+            where = self._place(child, failure) if self.link is not None and child.role is Role.WORKER else "here"
+            if where == "here":
+                self._restart(child)
+                return None
+            if where == "moved":
+                return None
+            self.restarts_used -= 1  # nothing was restarted
+            decision = Decision(Action.GIVE_UP, where)
         self._say(f"stopping the job: {decision.reason}")
         self._stop(signal.SIGTERM)
         print(failure_summary(self.root, self.restarts_used, failure, self.spec.max_restarts), file=self.err,
               flush=True)
         return exit_code_for(self.root.returncode)
+
+    def _end_latecomers(self) -> None:
+        """Elastic: the job ended (the scheduler exited 0) while a dead worker's replacement was still on its
+        way back; training is done without it, so it is stopped and not counted as a failure. Workers that
+        finished (a `finished` event in events.jsonl) are left to exit by themselves."""
+        path = self.spec.recovery_path / "events.jsonl" if self.spec.recovery_path else None
+        done = {e.get("node") for e in EventLog.read(path) if e.get("event") == "finished"} if (
+            path is not None and path.is_file()) else set()
+        late = [w for w in self.workers if not w.done and w.node_id not in done]
+        for w in late:
+            self._say(f"the job is over; {w.name} came back too late and is stopped")
+        self._kill(late)
+        for w in late:
+            w.done = True
 
     def _finish(self) -> None:
         """Every worker exited 0: let the scheduler exit by itself, then stop it."""
@@ -252,9 +249,9 @@ class Supervisor:
                                  start_new_session=True)  # signals reach it only via the agent
         self._attach(child, popen)
 
-    def _restart(self, child: Child) -> None:
+    def _restart(self, child: Child, budget: str | None = None) -> None:
         """A worker from a hot spare when one is alive, else (and always for the scheduler) a fresh process."""
-        budget = f"restart {self.restarts_used}/{self.spec.max_restarts}"
+        budget = budget or f"restart {self.restarts_used}/{self.spec.max_restarts}"
         more = self.restarts_used < self.spec.max_restarts  # else no restart will need a successor
         spare = self.spares.take(replace=more) if self.spares and child.role is Role.WORKER else None
         if not more:
@@ -344,31 +341,53 @@ class Supervisor:
             for pump in child.pumps:
                 pump.join(PUMP_DRAIN_S)
 
+    def _placed_worker(self, node_id: str) -> Child:
+        """recover: the child for a worker placed here from another host. It keeps its node id (so its rank) and
+        gets the lowest local rank no running worker here has (relocate.py)."""
+        taken = {w.index for w in self.workers if not w.done}
+        index = next(i for i in range(len(self.workers) + 1) if i not in taken)
+        env = worker_env(self._base, self.spec, index, node_id=node_id)
+        child = next((w for w in self.workers if w.node_id == node_id), None)
+        if child is None:
+            child = Child(Role.WORKER, index, node_id, [sys.executable, "-u", self.spec.script,
+                                                        *self.spec.script_args], env)
+            self.children.append(child)
+        elif not child.alive():
+            child.index, child.env = index, env
+        return child
+
     # --- reporting -------------------------------------------------------------------
 
-    def _report(self, child: Child, failure: Failure, *, final: bool = False) -> None:
+    def _report(self, child: Child, failure: Failure, *, final: bool = False, why: str = "") -> str:
         """Tell the scheduler about a dead worker right away (best effort); `final`: it is not replaced,
-        so the scheduler ends the job with this root cause and the survivors leave."""
+        so the scheduler ends the job with this root cause and the survivors leave. Returns why the
+        worker needs no replacement (it had finished, or the job is over), else ""."""
         sched = self.scheduler
+        if sched is not None and sched.done:
+            return "the job had ended (the scheduler exited 0)"
         if not self._can_report or (sched is not None and not sched.alive()):
-            return
+            return ""
         try:
             from ..cluster.client import report_exit
         except ImportError as exc:
             self._can_report = False
             self._say(f"cannot report exits to the scheduler ({exc}); it will see them by heartbeat")
-            return
+            return ""
         rc = failure.returncode
         code, sig = (None, -rc) if rc < 0 else (rc, None)
         address = (self.spec.sched_host, self.spec.sched_port)
         try:
-            ok = report_exit(address, child.node_id or "", failure.pid, code, sig,
-                             "\n".join(failure.tail), timeout=REPORT_TIMEOUT_S, final=final)
+            ok, over = report_exit(address, child.node_id or "", failure.pid, code, sig,
+                                   "\n".join(([why] if why else []) + list(failure.tail))[-16000:],
+                                   timeout=REPORT_TIMEOUT_S, final=final)
         except Exception as exc:  # a failed report must never block the restart
             self._say(f"reporting the exit of {child.name} failed: {exc!r}")
-            return
+            return ""
         if not ok:
             self._say(f"scheduler at {address[0]}:{address[1]} did not take the exit report of {child.name}")
+            if sched is not None and sched.popen is not None and sched.popen.poll() == 0:
+                return "the job had ended (the scheduler exited 0)"  # it was leaving as the worker died
+        return over
 
     def _print_recoveries(self) -> None:
         """One line per recovery of this job, with its MTTR and lost steps (from events.jsonl)."""

@@ -26,6 +26,7 @@ from . import chaos
 from .agent import Supervisor
 from .jobfile import merge_job_file, resolve_strategy
 from .policy import EXIT_CONFIG, LaunchSpec, set_env
+from .relocate import placement_policy
 
 DEFAULT_SCHED_HOST = "127.0.0.1"
 
@@ -61,13 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", "--log_dir", dest="log_dir", type=Path,
                      help="also write each child's output to DIR/worker_<node id>.log and DIR/scheduler.log")
     run.add_argument("--recover-strategy", dest="recover_strategy",
-                     help="what a fault leads to: retry, recover-in-place, dump, exit (recover, elastic: not yet), "
+                     help="what a fault leads to: retry, recover-in-place, recover, elastic, dump, exit, "
                           "combined with commas (default TG_RECOVER_STRATEGY, else recover-in-place)")
     run.add_argument("--max-retries", dest="max_retries", type=int,
                      help="in-process retries of a failed step in a row (default TG_MAX_RETRIES, else 3)")
+    run.add_argument("--elastic-deadline", dest="elastic_deadline", type=float,
+                     help="elastic: seconds a dead worker has to come back before the others go on without it "
+                          "(default TG_ELASTIC_DEADLINE, else 30)")
     run.add_argument("--grace-period", dest="grace_period", type=float,
                      help="seconds from SIGTERM/SIGINT/SIGUSR1 to SIGKILL, for the dying-gasp checkpoint "
                           "(default TG_GRACE_PERIOD, else 10)")
+    run.add_argument("--slots", type=int,
+                     help="recover: workers this host can run, its own included; room for workers moved here from "
+                          "another host (default: --workers)")
+    run.add_argument("--host-fail-limit", dest="host_fail_limit", type=int,
+                     help="recover: a host with this many worker failures within --host-fail-window is excluded "
+                          "for --host-cooldown (default TG_HOST_FAIL_LIMIT, else 3)")
+    run.add_argument("--host-fail-window", dest="host_fail_window", type=float,
+                     help="recover: seconds (default TG_HOST_FAIL_WINDOW, else 300)")
+    run.add_argument("--host-cooldown", dest="host_cooldown", type=float,
+                     help="recover: seconds an excluded host takes no worker (default TG_HOST_COOLDOWN, else 300)")
     run.add_argument("--config", type=Path, help="a job file (YAML or JSON) with these flags; flags win over it")
     run.add_argument("script", nargs="?", help="the training script (or `script:` in --config)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -152,7 +166,7 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
     spec = LaunchSpec(script=args.script, script_args=tuple(args.script_args), nproc_per_node=args.workers,
                       nnodes=args.nnodes, node_rank=args.node_rank, sched_port=args.sched_port or 0,
                       max_restarts=args.max_restarts, hot_spares=_hot_spares(args), recover_strategy=strategy,
-                      grace_s=grace)
+                      grace_s=grace, slots=args.slots or 0, placement=placement_policy(args, env))
     if not Path(args.script).is_file():
         raise ConfigError(f"script {args.script!r} not found")
     host_env, port_env = _first(env, SCHED_HOST_ENV), _first(env, SCHED_PORT_ENV)

@@ -26,10 +26,13 @@ from typing import Mapping
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import (
-    DEFAULT_GRACE_PERIOD_S, GRACE_PERIOD_ENV, MAX_RETRIES_ENV, RECOVER_STRATEGY_ENV, _float, _int,
+    DEFAULT_GRACE_PERIOD_S, ELASTIC_DEADLINE_ENV, GRACE_PERIOD_ENV, MAX_RETRIES_ENV, RECOVER_STRATEGY_ENV, _float,
+    _int,
 )
 from ..errors import ConfigError
-from ..recovery.strategies import DEFAULT_MAX_RETRIES, RecoverStrategy, parse_strategy, require_implemented
+from ..recovery.strategies import (
+    DEFAULT_ELASTIC_DEADLINE_S, DEFAULT_MAX_RETRIES, RecoverStrategy, parse_strategy, require_implemented,
+)
 
 # the defaults of `trainguard run` flags that a job file may set (argparse leaves them None)
 RUN_DEFAULTS = {"workers": 1, "nnodes": 1, "node_rank": 0, "max_restarts": 3}
@@ -52,6 +55,11 @@ class JobFile(BaseModel):
     recover_strategy: str | None = None
     max_retries: int | None = Field(None, ge=0)
     grace_period: float | None = Field(None, gt=0)
+    slots: int | None = Field(None, ge=1)  # recover: this host's capacity
+    host_fail_limit: int | None = Field(None, ge=1)
+    host_fail_window: float | None = Field(None, gt=0)
+    host_cooldown: float | None = Field(None, ge=0)
+    elastic_deadline: float | None = Field(None, gt=0)
 
     @field_validator("recover_strategy", mode="before")
     @classmethod
@@ -125,7 +133,13 @@ def resolve_strategy(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[
         retries = _int(MAX_RETRIES_ENV, raw, lo=0) if raw.strip() else DEFAULT_MAX_RETRIES
     if retries < 0:
         raise ConfigError(f"--max-retries must be >= 0, got {retries}")
-    strategy = require_implemented(parse_strategy(text, source=source, max_retries=retries), source)
+    deadline = getattr(args, "elastic_deadline", None)
+    if deadline is None:
+        deadline = _float(env, ELASTIC_DEADLINE_ENV, DEFAULT_ELASTIC_DEADLINE_S)
+    if not deadline > 0:
+        raise ConfigError(f"--elastic-deadline must be > 0 seconds, got {deadline}")
+    strategy = require_implemented(parse_strategy(text, source=source, max_retries=retries,
+                                                  elastic_deadline=float(deadline)), source)
     grace = getattr(args, "grace_period", None)
     if grace is None:
         grace = _float(env, GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S)

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Mapping
 
 from ..config import (
-    DEFAULT_GRACE_PERIOD_S, ENABLE_RECOVERY_ENV, GRACE_PERIOD_ENV, LOCAL_RANK_ENV, MAX_RETRIES_ENV, NODE_ID_ENV,
-    RECOVER_STRATEGY_ENV, RECOVERY_PATH_ENV, ROLE_ENV, SCHED_HOST_ENV, SCHED_PORT_ENV, TORCHRUN_LOCAL_RANK,
-    WORKER_NUM_ENV, Role,
+    DEFAULT_GRACE_PERIOD_S, ELASTIC_DEADLINE_ENV, ENABLE_RECOVERY_ENV, GRACE_PERIOD_ENV, LOCAL_RANK_ENV,
+    MAX_RETRIES_ENV, NODE_ID_ENV, RECOVER_STRATEGY_ENV, RECOVERY_PATH_ENV, ROLE_ENV, SCHED_HOST_ENV, SCHED_PORT_ENV,
+    TORCHRUN_LOCAL_RANK, WORKER_NUM_ENV, Role,
 )
 from ..errors import ConfigError
 from ..exitcodes import EXIT_CONFIG, EXIT_FAULT_STOP, EXIT_JOB_FAILED, EXIT_PREEMPTED
+from ..cluster.placement import PlacementPolicy
 from ..recovery.strategies import DEFAULT_STRATEGY, RecoverStrategy, parse_strategy
 
 DEFAULT_GRACE_S = DEFAULT_GRACE_PERIOD_S  # one setting: --grace-period, TG_GRACE_PERIOD
@@ -37,6 +38,7 @@ class Action(enum.Enum):
     GIVE_UP = "give_up"
     PREEMPTED = "preempted"  # a graceful exit (75): no restart; the agent exits 75 once every worker has left
     STOPPED = "stopped"  # left because the job stops after a fault elsewhere (76): a consequence, not a cause
+    LEFT_OUT = "left_out"  # elastic, restarts used up: not replaced; the other workers go on without it
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,8 @@ def decide_exit(role: Role, returncode: int, restarts_used: int, max_restarts: i
         return Decision(Action.RESTART, f"restart {restarts_used + 1}/{max_restarts}")
     if max_restarts == 0:
         return Decision(Action.GIVE_UP, "restarts are off (--max-restarts 0)")
+    if role is Role.WORKER and strategy.elastic:
+        return Decision(Action.LEFT_OUT, f"all {max_restarts} restarts are used; elastic: the job goes on without it")
     return Decision(Action.GIVE_UP, f"all {max_restarts} restarts are used")
 
 
@@ -177,8 +181,12 @@ class LaunchSpec:
     grace_s: float = DEFAULT_GRACE_S  # --grace-period / TG_GRACE_PERIOD: signal -> dying-gasp save -> SIGKILL
     sched_exit_wait_s: float = DEFAULT_SCHED_EXIT_WAIT_S
     recover_strategy: RecoverStrategy = _DEFAULT_STRATEGY
+    slots: int = 0  # recover: workers this host can run (--slots); 0 = its own worker count
+    placement: PlacementPolicy = PlacementPolicy()  # recover: host exclusion (--host-fail-limit, ...)
 
     def __post_init__(self) -> None:
+        if self.slots and self.slots < self.nproc_per_node:
+            raise ConfigError(f"--slots must be >= the workers on this host ({self.nproc_per_node}), got {self.slots}")
         if self.nproc_per_node < 1:
             raise ConfigError(f"--workers/--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         if self.nnodes < 1:
@@ -194,6 +202,10 @@ class LaunchSpec:
         if self.grace_s <= 0 or self.sched_exit_wait_s < 0:
             raise ConfigError(f"--grace-period must be > 0 seconds (got {self.grace_s:g}) and the scheduler exit "
                               "wait >= 0")
+
+    @property
+    def capacity(self) -> int:
+        return self.slots or self.nproc_per_node
 
     @property
     def world_size(self) -> int:
@@ -235,20 +247,24 @@ def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[
     env[GRACE_PERIOD_ENV] = f"{spec.grace_s:g}"
     env[RECOVER_STRATEGY_ENV] = str(spec.recover_strategy)
     env[MAX_RETRIES_ENV] = str(spec.recover_strategy.max_retries)
+    env[ELASTIC_DEADLINE_ENV] = f"{spec.recover_strategy.elastic_deadline:g}"
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
 def scheduler_env(base: Mapping[str, str], spec: LaunchSpec) -> dict[str, str]:
     env = _cluster_env(base, spec, Role.SCHEDULER)
+    env.update(spec.placement.env())  # recover: the scheduler decides placements and host exclusion
     set_env(env, NODE_ID_ENV, None)
     set_env(env, LOCAL_RANK_ENV, None)
     return env
 
 
-def worker_env(base: Mapping[str, str], spec: LaunchSpec, index: int) -> dict[str, str]:
+def worker_env(base: Mapping[str, str], spec: LaunchSpec, index: int, *, node_id: str | None = None) -> dict[str, str]:
+    """Local worker `index`; its node id is this host's share of the ranks, or `node_id` (recover: a worker
+    placed here from another host keeps its node id, hence its rank)."""
     env = _cluster_env(base, spec, Role.WORKER)
-    set_env(env, NODE_ID_ENV, str(spec.node_rank * spec.nproc_per_node + index))
+    set_env(env, NODE_ID_ENV, node_id if node_id is not None else str(spec.node_rank * spec.nproc_per_node + index))
     set_env(env, LOCAL_RANK_ENV, str(index))
     env[TORCHRUN_LOCAL_RANK] = str(index)  # for scripts that pick their device torchrun's way
     env.setdefault("OMP_NUM_THREADS", "1")

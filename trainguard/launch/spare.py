@@ -24,7 +24,6 @@ import os
 import runpy
 import sys
 import time
-import traceback
 
 from ..config import LOG_LEVEL_ENV
 

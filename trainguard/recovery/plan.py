@@ -3,7 +3,9 @@
 Each rank reports
     {"memory": [[step, replicated], ...],   # in-memory snapshots it holds; `replicated` means it
                                             # also holds every rank's per-rank state for that step
-     "disk":   [step, ...]}                 # complete disk checkpoints of its own
+     "disk":   [step, ...],                 # complete disk checkpoints of its own
+     "node":   node_id}                     # optional; echoed as the decision's "nodes" (rank -> node id),
+                                            # so that state can follow a node whose rank moved (elastic)
 
 The newest step s wins such that every rank r can get its state at s from
     itself (s in its memory), else a peer p (s in p's memory and replicated), else its disk.
@@ -15,6 +17,14 @@ from __future__ import annotations
 
 
 def choose_restore(reports: dict[int, dict]) -> dict:
+    decision = _choose(reports)
+    nodes = {str(r): rep["node"] for r, rep in reports.items() if rep.get("node") is not None}
+    if nodes:
+        decision["nodes"] = nodes
+    return decision
+
+
+def _choose(reports: dict[int, dict]) -> dict:
     memory = {r: {int(s): bool(rep) for s, rep in rep_.get("memory", [])} for r, rep_ in reports.items()}
     disk = {r: {int(s) for s in rep_.get("disk", [])} for r, rep_ in reports.items()}
     ranks = sorted(reports)

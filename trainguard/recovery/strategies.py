@@ -6,15 +6,24 @@
                       same processes, at most `max_retries` times in a row (TG_MAX_RETRIES)
     recover-in-place  a dead worker is restarted on its host, from a hot spare when one is ready, while
                       --max-restarts lasts; the survivors roll back in process. The default.
-    recover           move a dead worker to another host's agent             (not implemented yet)
-    elastic           go on with fewer workers; alias elastic-training       (not implemented yet)
+    recover           a dead worker starts again on another host's agent that has a free slot (--slots);
+                      a host with too many worker failures is excluded for a cooldown; with
+                      recover-in-place too, it is restarted in place when no other host can take it
+                      (trainguard/cluster/placement.py)
+    elastic           alias elastic-training: a dead worker is restarted as with recover-in-place, but
+                      if it is not back within `elastic_deadline` seconds (TG_ELASTIC_DEADLINE,
+                      --elastic-deadline) the survivors go on without it, the rest of the epoch
+                      re-sharded over them; when it comes back the job grows back at a commit point
     dump              on a fault nothing above recovers, save a dying-gasp checkpoint of the last
                       consistent state on the surviving ranks, then stop the job
     exit              stop the whole job on a fault nothing above recovers, naming its root cause
 
 Names combine with commas, e.g. "retry,recover-in-place" or "recover-in-place,dump" (restart while
-the budget lasts, then dump). Everything here is pure: parsing returns a value or raises a
-ConfigError that names where the text came from and lists the valid names.
+the budget lasts, then dump). Contradictions: exit with anything that restarts (recover-in-place, recover,
+elastic). elastic with recover-in-place is allowed (elastic restarts in place too, it only stops waiting
+at the deadline), and elastic with dump (dump only acts on a fault nothing else recovers). Everything
+here is pure: parsing returns a value or raises a ConfigError that names where the text came from
+and lists the valid names.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from ..errors import ConfigError
 
 DEFAULT_STRATEGY = "recover-in-place"
 DEFAULT_MAX_RETRIES = 3
+DEFAULT_ELASTIC_DEADLINE_S = 30.0  # seconds a dead worker has to come back before the job shrinks
 
 
 class Strategy(str, enum.Enum):
@@ -38,10 +48,7 @@ class Strategy(str, enum.Enum):
 
 
 ALIASES = {"elastic-training": Strategy.ELASTIC}
-NOT_IMPLEMENTED = {
-    Strategy.RECOVER: "moving a dead worker to another host's agent",
-    Strategy.ELASTIC: "going on with fewer workers",
-}
+NOT_IMPLEMENTED: dict[Strategy, str] = {}  # strategies that parse but are refused at start (none now)
 _RESTARTING = (Strategy.RECOVER_IN_PLACE, Strategy.RECOVER, Strategy.ELASTIC)
 _WHAT = {
     Strategy.RECOVER_IN_PLACE: "recover-in-place restarts the dead worker",
@@ -60,12 +67,15 @@ class RecoverStrategy:
 
     chosen: frozenset[Strategy]
     max_retries: int = DEFAULT_MAX_RETRIES
+    elastic_deadline: float = DEFAULT_ELASTIC_DEADLINE_S
 
     def __post_init__(self) -> None:
         if not self.chosen:
             raise ConfigError(f"choose at least one recover strategy: {valid_names()}")
         if self.max_retries < 0:
             raise ConfigError(f"the retry limit must be >= 0, got {self.max_retries}")
+        if not self.elastic_deadline > 0:
+            raise ConfigError(f"the elastic deadline must be > 0 seconds, got {self.elastic_deadline}")
 
     @property
     def retry(self) -> bool:
@@ -82,6 +92,16 @@ class RecoverStrategy:
         return self.retry or self.restarts
 
     @property
+    def elastic(self) -> bool:
+        """A worker not back within `elastic_deadline` is left out; the job grows back when it returns."""
+        return Strategy.ELASTIC in self.chosen
+
+    @property
+    def moves(self) -> bool:
+        """recover: a dead worker may start again on another host's agent."""
+        return Strategy.RECOVER in self.chosen
+
+    @property
     def dump(self) -> bool:
         return Strategy.DUMP in self.chosen
 
@@ -89,8 +109,8 @@ class RecoverStrategy:
         return ",".join(s.value for s in Strategy if s in self.chosen)
 
 
-def parse_strategy(text: str | None, *, source: str = "--recover-strategy",
-                   max_retries: int = DEFAULT_MAX_RETRIES) -> RecoverStrategy:
+def parse_strategy(text: str | None, *, source: str = "--recover-strategy", max_retries: int = DEFAULT_MAX_RETRIES,
+                   elastic_deadline: float = DEFAULT_ELASTIC_DEADLINE_S) -> RecoverStrategy:
     """"retry,recover-in-place" -> RecoverStrategy; empty or None gives the default (recover-in-place).
 
     An unknown name is an error listing the valid ones; a contradictory pair is an error saying why."""
@@ -111,11 +131,11 @@ def parse_strategy(text: str | None, *, source: str = "--recover-strategy",
                 raise ConfigError(f"{source}={raw!r} contradicts itself: exit stops the whole job at its first "
                                   f"fault, but {_WHAT[other]}; choose one of them (add dump to exit to save a "
                                   "dying-gasp checkpoint first)")
-    return RecoverStrategy(frozenset(chosen), max_retries)
+    return RecoverStrategy(frozenset(chosen), max_retries, elastic_deadline)
 
 
 def require_implemented(strategy: RecoverStrategy, source: str = "--recover-strategy") -> RecoverStrategy:
-    """At start: recover and elastic parse, but are refused until they are built (never silently replaced)."""
+    """At start: a strategy in NOT_IMPLEMENTED parses, but is refused until it is built (never silently replaced)."""
     missing = [s for s in Strategy if s in strategy.chosen and s in NOT_IMPLEMENTED]
     if missing:
         what = "; ".join(f"{s.value} ({NOT_IMPLEMENTED[s]})" for s in missing)

@@ -10,6 +10,14 @@ this shard already handed out in the current epoch) is the same on every rank. W
 ``DataLoader(batch_size=B, num_workers=0)`` it equals ``batches_done * B``; with worker
 processes the loader reads ahead of the training loop, so record ``batches_done * B`` yourself
 and resume with ``set_position``.
+
+Re-sharding mid-epoch (the elastic recover strategy): after ``p`` indices per shard, the epoch
+has consumed a prefix of the global order, ``consumed(p)`` indices long. ``reshard_rest`` (or
+``set_phase(base, ...)``) starts a new *phase* at that offset: the not-yet-consumed rest
+``order[base:]`` is padded (or truncated) to divide by the new ``num_shards`` and shard ``k``
+takes ``rest[k::num_shards]``, so every index of the epoch is still handed out exactly once
+(up to the padding of the last phase). Positions count from the phase's start; a new epoch
+starts at base 0.
 """
 
 from __future__ import annotations
@@ -70,7 +78,8 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         self.drop_last = bool(drop_last)
         self._epoch = 0
         self._start = 0  # where the next __iter__ begins; one-shot
-        self._position = 0  # indices handed out so far in the current epoch
+        self._position = 0  # indices handed out so far in the current epoch (in its current phase)
+        self._base = 0  # global-order offset where the current phase starts (0 unless re-sharded mid-epoch)
 
     # --- sharding -------------------------------------------------------------
     @property
@@ -90,17 +99,19 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         world, rank = hook() if hook is not None else (1, 0)
         self._num_shards, self._shard_id = _check_sharding(world, rank, " (from default_shard_info)")
 
-    def _len_for(self, num_shards: int) -> int:
-        return self._n // num_shards if self.drop_last else math.ceil(self._n / num_shards)
+    def _len_for(self, num_shards: int, base: int = 0) -> int:
+        rest = self._n - base
+        return rest // num_shards if self.drop_last else math.ceil(rest / num_shards)
 
     def _carry_position(self, old_shards: int, position: int, new_shards: int) -> int:
-        """Map a position under ``old_shards`` to ``new_shards``: possible at epoch boundaries only."""
+        """Map a position under ``old_shards`` to ``new_shards``: possible at epoch boundaries only
+        (``reshard_rest`` re-shards mid-epoch)."""
         if new_shards == old_shards:
             return position
-        if position == 0:
+        if position == 0 and self._base == 0:
             return 0
-        if position >= self._len_for(old_shards):
-            return self._len_for(new_shards)
+        if position >= self._len_for(old_shards, self._base):
+            return self._len_for(new_shards, self._base)
         raise ConfigError(
             f"cannot move from num_shards={old_shards} to num_shards={new_shards} mid-epoch "
             f"(epoch {self._epoch}, position {position} of {self._len_for(old_shards)}); "
@@ -123,7 +134,7 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         """Select the epoch; a new epoch starts at position 0, the current one keeps its position."""
         _check_int("epoch", epoch, 0)
         if epoch != self._epoch:
-            self._epoch, self._start, self._position = epoch, 0, 0
+            self._epoch, self._start, self._position, self._base = epoch, 0, 0, 0
 
     def set_position(self, position: int) -> None:
         """Make the next ``__iter__`` start at this shard's ``position``-th index of the epoch.
@@ -133,14 +144,50 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         _check_int("position", position, 0)
         self._start = self._position = min(position, len(self))
 
+    # --- phases (re-sharding mid-epoch) -----------------------------------------
+    @property
+    def base(self) -> int:
+        """Global-order offset of the epoch where the current phase began."""
+        return self._base
+
+    def consumed(self, position: int | None = None, *, base: int | None = None,
+                 num_shards: int | None = None) -> int:
+        """Indices of the epoch's global order handed out (over all shards) after ``position``
+        indices per shard of the phase starting at ``base`` under ``num_shards`` (defaults: now)."""
+        position = self._position if position is None else _check_int("position", position, 0)
+        base = self._base if base is None else _check_int("base", base, 0)
+        shards = self.num_shards if num_shards is None else _check_int("num_shards", num_shards, 1)
+        if base > self._n:
+            raise ConfigError(f"base must be <= the dataset length {self._n}, got {base}")
+        return min(self._n, base + min(position, self._len_for(shards, base)) * shards)
+
+    def set_phase(self, base: int, num_shards: int, shard_id: int) -> None:
+        """Hand out ``order[base:]`` of the current epoch over a new sharding, from its start."""
+        num_shards, shard_id = _check_sharding(num_shards, shard_id)
+        _check_int("base", base, 0)
+        if base > self._n:
+            raise ConfigError(f"base must be <= the dataset length {self._n}, got {base}")
+        self._num_shards, self._shard_id, self._base = num_shards, shard_id, base
+        self._start = self._position = 0
+
+    def reshard_rest(self, num_shards: int, shard_id: int, position: int | None = None) -> int:
+        """Split the rest of the epoch (after ``position`` indices per shard, default: the current
+        position) over ``num_shards``; returns the new phase's base."""
+        base = self.consumed(position)
+        self.set_phase(base, num_shards, shard_id)
+        return base
+
     def state_dict(self) -> dict[str, int]:
-        return {
+        state = {
             "epoch": self._epoch,
             "position": self._position,
             "num_shards": self.num_shards,
             "shard_id": self.shard_id,
             "seed": self.seed,
         }
+        if self._base:  # re-sharded mid-epoch
+            state["base"] = self._base
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore epoch, position and seed. This sampler keeps its own sharding (the saved
@@ -153,35 +200,48 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         position = _check_int("state['position']", state["position"], 0)
         saved_shards = _check_int("state['num_shards']", state["num_shards"], 1)
         seed = _check_int("state['seed']", state["seed"], 0)
-        if position > self._len_for(saved_shards):
+        base = _check_int("state['base']", state.get("base", 0), 0)
+        if base > self._n:
+            raise ConfigError(f"state['base'] must be <= the dataset length {self._n}, got {base}")
+        if position > self._len_for(saved_shards, base):
             raise ConfigError(
-                f"state['position'] must be <= {self._len_for(saved_shards)} for a dataset of "
+                f"state['position'] must be <= {self._len_for(saved_shards, base)} for a dataset of "
                 f"{self._n} with num_shards={saved_shards}, got {position}"
             )
-        self._epoch, self.seed = epoch, seed
+        self._epoch, self.seed, self._base = epoch, seed, base
         self._start = self._position = self._carry_position(saved_shards, position, self.num_shards)
 
     # --- iteration ------------------------------------------------------------
-    def global_order(self, epoch: int | None = None) -> list[int]:
-        """Epoch's global order after padding/truncation (every shard's indices, interleaved)."""
+    def _order(self, epoch: int | None) -> list[int]:
         epoch = self._epoch if epoch is None else epoch
         if self.shuffle:
             gen = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self._n, generator=gen).tolist()
-        else:
-            order = list(range(self._n))
-        total = self._len_for(self.num_shards) * self.num_shards
-        if total <= len(order):
-            return order[:total]
-        pad = total - len(order)
-        return order + (order * math.ceil(pad / len(order)))[:pad]
+            return torch.randperm(self._n, generator=gen).tolist()
+        return list(range(self._n))
+
+    def _padded(self, order: list[int], base: int) -> list[int]:
+        rest = order[base:]
+        total = self._len_for(self.num_shards, base) * self.num_shards
+        if total <= len(rest):
+            return rest[:total]
+        pad = total - len(rest)
+        return rest + (order * math.ceil(pad / len(order)))[:pad]
+
+    def global_order(self, epoch: int | None = None) -> list[int]:
+        """Epoch's global order after padding/truncation (every shard's indices, interleaved)."""
+        return self._padded(self._order(epoch), 0)
+
+    def phase_order(self, epoch: int | None = None) -> list[int]:
+        """The current phase's order: ``order[base:]`` padded/truncated to divide by ``num_shards``
+        (the same as ``global_order`` when ``base`` is 0)."""
+        return self._padded(self._order(epoch), self._base)
 
     def indices(self, epoch: int | None = None) -> list[int]:
-        """This shard's full index list for an epoch."""
-        return self.global_order(epoch)[self.shard_id :: self.num_shards]
+        """This shard's full index list for an epoch (its current phase)."""
+        return self.phase_order(epoch)[self.shard_id :: self.num_shards]
 
     def __len__(self) -> int:
-        return self._len_for(self.num_shards)
+        return self._len_for(self.num_shards, self._base)
 
     def __iter__(self) -> Iterator[int]:
         mine = self.indices()
@@ -196,8 +256,9 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
 
     def __repr__(self) -> str:
         shards = f"{self._shard_id}/{self._num_shards}" if self._num_shards else "lazy"
+        base = f", base={self._base}" if self._base else ""
         return (
             f"ShardedSampler(n={self._n}, shard={shards}, shuffle={self.shuffle}, "
             f"seed={self.seed}, drop_last={self.drop_last}, epoch={self._epoch}, "
-            f"position={self._position})"
+            f"position={self._position}{base})"
         )

@@ -14,6 +14,16 @@ What a failed step leads to follows the recover strategy (recovery/strategies.py
 in process (retry, recover-in-place; at most `max_retries` in a row while nobody was restarted),
 or a stop (exit, dump: train/graceful.py). A stop request (SIGTERM, SIGINT, SIGUSR1) rides on the
 commit point's all-gather, so every rank stops at the same committed step.
+
+Elastic (the world size changes between generations): the data position is global. Progress
+also records the sampler's phase (`base`: where in the epoch's global order it began,
+`phase_start`: the step in the epoch it began at, `shards`: its world size); a restore into
+another world size starts a new phase at the first index not yet consumed (train/data.py), so
+the rest of the epoch is split over the new world. The per-rank batch stays fixed, so the global
+batch follows the world size and an epoch takes more steps in a smaller world; training ends
+after `epochs` epochs (or `max_steps`). A returning node gets the shared state and the progress
+from a peer, and its own RNG state if a snapshot holds one for its node id (else it keeps the
+RNG its script seeded).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from ..checkpoint.manager import DiskSources
 from ..errors import ClusterFailed, ConfigError, FencedError, RecoveryError, Retriable
 from ..recovery.plan import lost_steps
 from ..recovery.transfer import all_gather_flagged, all_max, recv_bytes, send_bytes
-from . import parallel_strategy
+from . import elastic, parallel_strategy
 from .data import ShardedSampler
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .snapshots import Snapshot, SnapshotStore
@@ -70,6 +80,8 @@ class Session:
         self.stop = StopRequest()
         self._retries = 0  # in-process rollbacks in a row with nobody restarted
         self._members: frozenset | None = None
+        self.phase = elastic.Phase()  # the sampler's phase within the epoch (changes only under elastic)
+        self._gen_nodes: tuple[str, ...] = ()  # node ids of this generation, by rank (from the restore agreement)
         self.disk_sources = DiskSources(checkpoint, *self.callbacks)
         self.gasp_savers = [c for c in self.disk_sources if c.saves_dying_gasp]
         if self.strategy.dump and not self.gasp_savers:
@@ -104,8 +116,17 @@ class Session:
 
     def _make_iter(self):
         self._sampler.set_epoch(self.epoch)
-        self._sampler.set_position(self.in_epoch * self.state.loader.batch_size)
+        if self.strategy.elastic:  # this generation's sharding of the rest of the epoch
+            self._sampler.set_phase(self.phase.base, self.rt.world_size, self.rt.rank)
+        self._sampler.set_position((self.in_epoch - self.phase.start) * self.state.loader.batch_size)
         return iter(self.state.loader)
+
+    def _done(self) -> bool:
+        """Training is over: `max_steps` steps, or `epochs` epochs (elastic: an epoch's step count
+        follows the world size)."""
+        if self.strategy.elastic and self.cfg.max_steps is None and self.state.loader is not None:
+            return self.epoch >= self.cfg.epochs
+        return self.step >= self.total_steps
 
     def _next_batch(self):
         if self.state.loader is None:
@@ -129,7 +150,7 @@ class Session:
             self._members = self.rt.members
             parallel_strategy.write_for(self)
             while True:
-                if self.step >= self.total_steps:
+                if self._done():
                     if self._finish():
                         return
                     continue
@@ -150,7 +171,7 @@ class Session:
                             raise
                         failure = exc
                     else:
-                        if stop and self.step < self.total_steps:  # after the last step: just finish
+                        if stop and not self._done():  # after the last step: just finish
                             stop_gracefully(self, stop)
                         continue
                 reason = f"step {step.index}: {type(failure).__name__}: {str(failure)[:300]}"
@@ -163,9 +184,10 @@ class Session:
         self.step += 1
         self.in_epoch += 1
         self._retries = 0
-        if self.steps_per_epoch and self.in_epoch >= self.steps_per_epoch:
+        if self.steps_per_epoch and self.in_epoch - self.phase.start >= self.steps_per_epoch:
             self.epoch, self.in_epoch, self._iter = self.epoch + 1, 0, None
-        if self.step % self.cfg.snapshot_every == 0 or self.in_epoch == 0 or self.step == self.total_steps:
+            self.phase = elastic.Phase(shards=self.rt.world_size)
+        if self.step % self.cfg.snapshot_every == 0 or self.in_epoch == 0 or self._done():
             stop = self._snapshot()
         else:
             stop = all_max(self.stop.signum, self.rt.group)
@@ -179,13 +201,16 @@ class Session:
         return stop
 
     def _progress(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "in_epoch": self.in_epoch}
+        progress = {"step": self.step, "epoch": self.epoch, "in_epoch": self.in_epoch}
+        if self.strategy.elastic:
+            progress.update(self.phase.as_dict(self.rt.world_size))
+        return progress
 
     def _snapshot(self) -> int:
         """Snapshot and replicate this step (a collective); returns the stop vote that rode along."""
         tensors, meta = flatten_state(self.state.capture_shared(), copy=True)
         own = pack({"rng": capture_rng(), "progress": self._progress()})
-        snap = Snapshot(self.step, tensors, meta, own)
+        snap = Snapshot(self.step, tensors, meta, own, nodes=self._gen_nodes)
         self.snapshots.put(snap)
         blobs, stop = all_gather_flagged(own, self.stop.signum, self.rt.group)
         snap.ranks = dict(enumerate(blobs))
@@ -203,7 +228,8 @@ class Session:
     # --- recovery ---------------------------------------------------------------------------
 
     def _report(self) -> dict:
-        return {"memory": self.snapshots.report(), "disk": self.disk_sources.complete_steps()}
+        return {"memory": self.snapshots.report(), "disk": self.disk_sources.complete_steps(),
+                "node": self.rt.node_id}
 
     def _count_retry(self, reason: str) -> None:
         """A rollback with the same processes as before is a retry; past the limit, escalate."""
@@ -284,16 +310,23 @@ class Session:
             snap = self.snapshots.get(s)
             for q in sorted(int(r) for r, src in sources.items() if src.get("peer") == rt.rank):
                 send_bytes(pack_flat(snap.tensors, snap.meta), q, rt.group)
-                send_bytes(snap.ranks[q], q, rt.group)
+                if self.strategy.elastic:  # ranks may have moved: that node's own state, by node id
+                    send_bytes(elastic.rank_blob(snap, decision.get("nodes", {}).get(str(q))), q, rt.group)
+                else:
+                    send_bytes(snap.ranks[q], q, rt.group)
         self.snapshots.drop_after(s)
         if hasattr(self.state.model, "rebuild"):
             self.state.model.rebuild(rt.group, self.record_error)
         progress = per["progress"] if per else {"step": 0, "epoch": 0, "in_epoch": 0}
         self.step, self.epoch, self.in_epoch = progress["step"], progress["epoch"], progress["in_epoch"]
+        self._gen_nodes = elastic.generation_nodes(decision)
+        self.phase = elastic.Phase.of(progress, rt.world_size)
+        if self.strategy.elastic and self._sampler is not None:
+            self.phase = elastic.reshard(self, self.phase)  # a new world size: split the rest of the epoch
         self._iter = None
         if self.state.loader is not None and self.in_epoch > 0:
             self._iter = self._make_iter()  # creating an iterator draws from the RNG: do it before restoring
-        if per is not None:
+        if per is not None and per.get("rng") is not None:  # none: a returning node keeps its own (elastic)
             load_rng(per["rng"])
         self._snapshot()  # every rank holds (and has replicated) the restore step from here on
         rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind)

@@ -20,6 +20,7 @@ class Snapshot:
     meta: dict
     own: bytes
     ranks: dict[int, bytes] | None = field(default=None)  # every rank's own blob, once replicated
+    nodes: tuple[str, ...] = ()  # node id of each rank of its generation (elastic: ranks can move)
 
 
 class SnapshotStore:

@@ -1,0 +1,114 @@
+"""The scheduler's rendezvous requests: join (forming generations), agree and the torch store.
+
+A mixin of `Scheduler` (scheduler.py), which owns the state they use: the cluster, the
+key-value data, the agreements, and the condition every blocking request waits on. Each
+request is fenced by generation, so a stale worker never joins or reads a newer group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from . import membership as m
+from . import protocol as p
+from .decisions import decide_agreement
+
+log = logging.getLogger("trainguard.scheduler")
+
+
+class RendezvousRequests:
+    async def _on_join(self, req: p.Join):
+        c = self.cluster
+        deadline = time.monotonic() + req.timeout
+        while True:
+            over = self._job_over()
+            if over:
+                return over
+            node = self._current(req.node_id, req.incarnation)
+            if isinstance(node, p.Error):
+                return node
+            if c.formed and c.generation > req.after:
+                return self._formed_reply(node)
+            if c.formed and c.generation == req.after:
+                m.bump_generation(c)  # this member has left the formed generation
+                self._persist()
+                self.events.emit("generation_bumped", generation=c.generation, by=node.node_id)
+            c.joined.add(node.node_id)
+            if await self._try_form():
+                continue
+            gen = c.generation
+            changed = await self._wait(lambda: c.formed or c.generation != gen or self._job_over() is not None
+                                       or node.node_id not in c.joined, deadline)
+            if not changed:
+                return p.Error(code=p.ErrorCode.TIMEOUT, message=(
+                    f"waited {req.timeout:g} s for generation {c.generation} to form; "
+                    f"missing: {m.missing_for_formation(c)}"), retry=True)
+
+    async def _try_form(self) -> bool:
+        """Form the pending generation if membership allows it now (elastic: maybe smaller)."""
+        c = self.cluster
+        if not m.try_form(c, time.monotonic(), self.elastic_deadline):
+            return False
+        self._persist()
+        self.kv.keep_only(c.generation)
+        size = m.generation_size(c)
+        log.info("generation %d formed with %d workers", c.generation, size)
+        self.events.emit("generation_formed", generation=c.generation, world_size=size, members=list(c.members))
+        await self._notify()
+        return True
+
+    def _formed_reply(self, node: m.Node) -> p.Formed:
+        c = self.cluster  # ranks in the generation: fixed ranks, or 0..n-1 in their order in a smaller one
+        members = [p.Member(node_id=n.node_id, rank=i, host=n.host, pid=n.pid, incarnation=n.incarnation)
+                   for i, n in enumerate(c.nodes[x] for x in m.generation_members(c))]
+        return p.Formed(generation=c.generation, rank=m.generation_rank(c, node.node_id),
+                        world_size=m.generation_size(c), local_rank=m.local_rank_of(c, node), members=members)
+
+    async def _on_agree(self, req: p.Agree):
+        c = self.cluster
+        node = self._current(req.node_id, req.incarnation)
+        if isinstance(node, p.Error):
+            return node
+        key = (req.generation, req.purpose)
+        fenced = p.Error(code=p.ErrorCode.FENCED, retry=True, message=(
+            f"generation {req.generation} is over (now {c.generation}); rejoin"))
+        if req.generation != c.generation or not c.formed:
+            return fenced
+        got = self._agreements.setdefault(key, {})
+        got[m.generation_rank(c, node.node_id)] = req.payload
+        if len(got) == m.generation_size(c) and key not in self._decisions:
+            decision = decide_agreement(req.purpose, got)
+            self._decisions[key] = decision
+            if self.elastic and req.purpose == "finish" and decision.get("ok"):
+                self.elastic.finishing(c)
+            self.events.emit(f"agreed_{req.purpose}", generation=req.generation, **{
+                k: v for k, v in decision.items() if k in ("step", "from_step", "error", "sources")})
+            await self._notify()
+        ok = await self._wait(lambda: key in self._decisions or c.generation != req.generation
+                              or self._job_over() is not None, time.monotonic() + req.timeout)
+        if key in self._decisions:
+            return p.Agreed(decision=self._decisions[key])
+        if not ok:
+            have = sorted(got)
+            return p.Error(code=p.ErrorCode.TIMEOUT, retry=True, message=(
+                f"waited {req.timeout:g} s to agree on {req.purpose}; ranks reported: {have}"))
+        return self._job_over() or fenced
+
+    async def _on_store(self, req: p.StoreOp):
+        c = self.cluster
+        if req.generation != c.generation:
+            return p.Error(code=p.ErrorCode.FENCED, retry=True, message=(
+                f"store access for generation {req.generation} refused (now {c.generation})"))
+        if req.op in ("get", "wait"):
+            keys = req.keys
+            ok = await self._wait(lambda: self.kv.has(req.generation, keys) or c.generation != req.generation,
+                                  time.monotonic() + req.timeout)
+            if c.generation != req.generation:
+                return p.Error(code=p.ErrorCode.FENCED, retry=True, message="generation changed during a store wait")
+            if not ok:
+                return p.Error(code=p.ErrorCode.TIMEOUT, message=f"store keys not set within {req.timeout:g} s: {keys}")
+        reply = self.kv.apply(req)
+        if req.op in ("set", "add", "compare_set", "delete"):
+            await self._notify()
+        return reply

@@ -1,0 +1,61 @@
+"""What the agent supervises: one child process (scheduler or worker), and the pumps that copy
+its output, line by line and prefixed with its name, to the agent's own output and log."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO, TextIO
+
+from ..config import Role
+
+TAIL_LINES = 40
+
+
+@dataclass(slots=True, eq=False)
+class Child:
+    role: Role
+    index: int  # local index on this host (0 for the scheduler)
+    node_id: str | None
+    cmd: list[str]
+    env: dict[str, str]
+    popen: subprocess.Popen | None = None
+    restarts: int = 0
+    done: bool = False  # exited 0 (or moved to another host): never polled again
+    placing: bool = False  # recover: dead, its new host not yet decided (not reported as running here)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    pumps: list[threading.Thread] = field(default_factory=list)
+    log: IO[str] | None = None
+
+    @property
+    def name(self) -> str:
+        return "scheduler" if self.role is Role.SCHEDULER else f"worker {self.node_id}"
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+def _pump(stream: IO[bytes], prefix: str, sink: TextIO, lock: threading.Lock,
+          tail: deque[str] | None, log: IO[str] | None) -> None:
+    """Copy a child's pipe line by line to `sink` with a prefix (and to its log file)."""
+    broken = False
+    with stream:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            with lock:
+                if tail is not None:
+                    tail.append(line)
+                try:
+                    if log is not None:
+                        log.write(line + "\n")
+                        log.flush()
+                    if not broken:
+                        sink.write(f"{prefix}{line}\n")
+                        sink.flush()
+                except (OSError, ValueError) as exc:  # closed terminal or pipe: keep draining the child
+                    if not broken:
+                        broken = True
+                        print(f"[agent] cannot copy output of {prefix.strip()}: {exc}", file=sys.__stderr__)

@@ -1,0 +1,193 @@
+"""The agent's side of the `recover` strategy: its line to the scheduler's AgentBoard (cluster/agents.py).
+
+`Relocation` is the part of the Supervisor (agent.py) that carries placements out. A thread syncs every `SYNC_PERIOD_S`: it tells the scheduler this agent's node rank, host, slots and the
+node ids it runs, and receives the orders for it (start worker X here, placed from another host) and the
+job's state. When a worker dies the agent asks `place()`, and the scheduler answers move (to which agent),
+in place, or fail (with the reason). Orders are queued for the agent's loop, each once (by seq).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Mapping
+
+from ..cluster import protocol as p
+from ..cluster.client import Connection
+from ..cluster.placement import PlacementPolicy
+from ..config import this_host
+from ..errors import ProtocolError, SchedulerUnavailable
+from ..recovery.strategies import Strategy
+
+log = logging.getLogger("trainguard.agent")
+
+SYNC_PERIOD_S = 0.1
+REQUEST_TIMEOUT_S = 2.0
+ORPHAN_S = 3.0  # an agent with nothing left to run stops after the scheduler has been unreachable this long
+
+
+def placement_policy(args: argparse.Namespace, env: Mapping[str, str]) -> PlacementPolicy:
+    """--host-fail-limit / --host-fail-window / --host-cooldown (or the job file), else TG_HOST_*, else defaults."""
+    base = PlacementPolicy.from_env(env)
+    given = {k: getattr(args, a) for k, a in (("fail_limit", "host_fail_limit"), ("fail_window_s", "host_fail_window"),
+                                              ("cooldown_s", "host_cooldown")) if getattr(args, a, None) is not None}
+    return PlacementPolicy(**{"fail_limit": base.fail_limit, "fail_window_s": base.fail_window_s,
+                              "cooldown_s": base.cooldown_s, **given})
+
+
+class PlacementLink:
+    """Syncs with the scheduler in a thread; `orders` holds the workers to start here."""
+
+    def __init__(self, address: tuple[str, int], agent: int, slots: int,
+                 snapshot: Callable[[], tuple[list[str], list[int]]], say: Callable[[str], None]) -> None:
+        self.address, self.agent, self.slots, self.host = address, agent, slots, this_host()
+        self._snapshot = snapshot  # (node ids this agent runs, order seqs it has handled), taken atomically
+        self._say = say
+        self.orphan_s = ORPHAN_S
+        self.orders: queue.Queue[p.Order] = queue.Queue()
+        self.job, self.root_cause = "running", ""
+        self.elsewhere = 0  # workers the other agents run, as of the last sync
+        self.last_ok = time.monotonic()
+        self._seen: set[int] = set()
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()  # one request at a time on the connection
+        self._stop = threading.Event()
+        self._warned = False
+        self._thread = threading.Thread(target=self._loop, name="tg-agent-sync", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(REQUEST_TIMEOUT_S + 1)
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    @property
+    def job_running(self) -> bool:
+        return self.job == "running"
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_ok
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sync()
+            self._stop.wait(SYNC_PERIOD_S)
+
+    def sync(self) -> None:
+        with self._lock:
+            running, handled = self._snapshot()
+            reply = self._request(p.AgentSync(agent=self.agent, host=self.host, slots=self.slots,
+                                              running=running, handled=handled))
+            if not isinstance(reply, p.AgentOrders):
+                return
+            self.job, self.root_cause, self.elsewhere = reply.job, reply.root_cause, reply.elsewhere
+            for order in reply.start:
+                if order.seq not in self._seen:
+                    self._seen.add(order.seq)
+                    self.orders.put(order)
+
+    def place(self, node_id: str, *, in_place_ok: bool) -> p.Placed | None:
+        """Where worker `node_id`, dead here, starts again; None if the scheduler cannot be asked."""
+        self.sync()  # the board knows this agent before it decides
+        with self._lock:
+            reply = self._request(p.AgentPlace(agent=self.agent, node_id=node_id, in_place_ok=in_place_ok))
+        return reply if isinstance(reply, p.Placed) else None
+
+    def _request(self, msg):
+        try:
+            if self._conn is None:
+                self._conn = Connection(self.address, timeout=REQUEST_TIMEOUT_S)
+            reply = self._conn.request(msg, REQUEST_TIMEOUT_S)
+        except (SchedulerUnavailable, ProtocolError) as exc:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            if not self._warned:
+                self._warned = True
+                log.debug("agent sync: %s", exc)
+            return None
+        if isinstance(reply, p.Error):
+            self._say(f"the scheduler refused {msg.type}: {reply.message}")
+            return None
+        self.last_ok, self._warned = time.monotonic(), False
+        return reply
+
+
+class Relocation:
+    """The Supervisor's recover methods: it provides workers, spec, children, _placing, _handled, link, _say,
+    _signals, _restart, _report, _placed_worker and scheduler."""
+
+    def _start_link(self) -> None:
+        spec = self.spec
+        self.link = PlacementLink((spec.sched_host, spec.sched_port), spec.node_rank, spec.capacity,
+                                  self._running, self._say)
+        self.link.start()
+
+    def _running(self) -> tuple[list[str], list[int]]:
+        with self._placing:
+            return ([w.node_id or "" for w in self.workers if not w.done and not w.placing], list(self._handled))
+
+    def _place(self, child, failure) -> str:
+        """Ask the scheduler where the dead worker starts again: "here", "moved", or why it cannot."""
+        in_place_ok = Strategy.RECOVER_IN_PLACE in self.spec.recover_strategy.chosen
+        with self._placing:
+            child.placing = True
+        placed = self.link.place(child.node_id or "", in_place_ok=in_place_ok)
+        with self._placing:
+            child.placing = False
+            if placed is not None and placed.action == "move":
+                child.done = True
+        if placed is None:
+            if in_place_ok:
+                self._say(f"cannot ask the scheduler where {child.name} should go; restarting it here")
+                return "here"
+            reason = f"cannot ask the scheduler at {self.spec.sched_host}:{self.spec.sched_port} where it should go"
+        elif placed.action == "move":
+            self._say(f"{child.name} goes to the agent of node rank {placed.target}: {placed.reason}")
+            return "moved"
+        elif placed.action == "in_place":
+            self._say(f"{child.name}: {placed.reason}")
+            return "here"
+        else:
+            reason = placed.reason
+        self._report(child, failure, final=True, why=reason)
+        return f"{child.name} is not replaced: {reason}"
+
+    def _take_orders(self) -> None:
+        """Start the workers the scheduler placed here (each keeps its node id, hence its rank)."""
+        while self.link is not None and not self._signals:
+            try:
+                order = self.link.orders.get_nowait()
+            except queue.Empty:
+                return
+            with self._placing:
+                child = self._placed_worker(order.node_id)
+                if child.alive():
+                    self._say(f"asked to start {child.name}, which still runs here; ignored")
+                child.done = False
+                self._handled.append(order.seq)
+            if not child.alive():
+                self._restart(child, f"placed here by the scheduler: it died on node rank {order.origin}")
+
+    def _may_end(self) -> bool:
+        """Every worker here has left: the agent ends, except under recover while the job still runs on other
+        hosts (one of their dead workers may be placed here; and the scheduler, if here, must stay)."""
+        if self.link is None or not self.link.job_running or not self.link.elsewhere:
+            return True
+        sched = self.scheduler
+        if sched is not None:
+            return not sched.alive()
+        if self.link.silent_for() > self.link.orphan_s:
+            self._say(f"nothing runs here and the scheduler has not answered for {self.link.silent_for():.0f} s; "
+                      "stopping")
+            return True
+        return False

@@ -1,0 +1,83 @@
+"""The worker's part of the `elastic` recover strategy: the data phase and a returning node's state.
+
+Under elastic the world size may change at a restore (fewer workers after a deadline, more
+when one comes back). The data position is global: progress records the sampler's *phase*
+(`Phase`): where in the epoch's global order it began (`base`), at which step of the epoch
+(`start`) and over how many shards. A restore into another world size starts a new phase at
+the first index of the epoch not yet consumed, so the rest of the epoch is split over the new
+world and every index is still seen once (train/data.py).
+
+Snapshots record the node id of each rank of their generation, so a peer can hand a returning
+node its own per-rank state (RNG) even when ranks were renumbered; a node no snapshot knows
+gets only the progress, and keeps the RNG its script seeded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..checkpoint.blob import pack, unpack
+
+if TYPE_CHECKING:
+    from .session import Session
+    from .snapshots import Snapshot
+
+log = logging.getLogger("trainguard.session")
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    base: int = 0  # offset in the epoch's global order where this phase began
+    start: int = 0  # the step of the epoch (in_epoch) it began at
+    shards: int = 0  # its world size (0: not recorded, i.e. the current one)
+
+    def as_dict(self, world_size: int) -> dict:
+        return {"base": self.base, "phase_start": self.start, "shards": self.shards or world_size}
+
+    @classmethod
+    def of(cls, progress: dict, world_size: int) -> "Phase":
+        return cls(int(progress.get("base", 0)), int(progress.get("phase_start", 0)),
+                   int(progress.get("shards", 0)) or world_size)
+
+
+def generation_nodes(decision: dict) -> tuple[str, ...]:
+    """Node ids of this generation by rank, as every rank reported them to the restore agreement."""
+    nodes = decision.get("nodes") or {}
+    ranks = sorted(int(r) for r in nodes)
+    return tuple(str(nodes[str(r)]) for r in ranks) if ranks == list(range(len(ranks))) else ()
+
+
+def rank_blob(snap: "Snapshot", node_id: str | None) -> bytes:
+    """The per-rank state a peer sends to `node_id`: its own from the snapshot if the snapshot's
+    generation had it, else the (global) progress with no RNG."""
+    if node_id is not None and snap.ranks is not None and node_id in snap.nodes:
+        i = snap.nodes.index(node_id)
+        if i in snap.ranks:
+            return snap.ranks[i]
+    return pack({"rng": None, "progress": unpack(snap.own, "own snapshot state")["progress"]})
+
+
+def reshard(session: "Session", phase: Phase) -> Phase:
+    """After a restore: if the world size changed, a new phase holding the rest of the epoch.
+    An empty phase (nothing left for this world, e.g. fewer samples than shards with drop_last)
+    ends the epoch."""
+    rt, sampler, loader = session.rt, session._sampler, session.state.loader
+    if phase.shards == rt.world_size:
+        return phase
+    sampler.set_epoch(session.epoch)
+    position = (session.in_epoch - phase.start) * loader.batch_size
+    base = sampler.consumed(position, base=phase.base, num_shards=phase.shards)
+    new = Phase(base, session.in_epoch, rt.world_size)
+    sampler.set_phase(base, rt.world_size, rt.rank)
+    log.info("rank %d: world size %d -> %d at epoch %d step %d: the rest of the epoch, from offset %d of its "
+             "order, is re-sharded (%d samples for this rank)", rt.rank, phase.shards, rt.world_size, session.epoch,
+             session.in_epoch, base, len(sampler))
+    if rt.rank == 0:
+        rt.events.emit("data_resharded", generation=rt.generation, epoch=session.epoch, in_epoch=session.in_epoch,
+                       base=base, from_world=phase.shards, world_size=rt.world_size)
+    if len(loader) == 0:  # nothing left for this world in this epoch
+        session.epoch, session.in_epoch = session.epoch + 1, 0
+        return Phase(0, 0, rt.world_size)
+    return new
