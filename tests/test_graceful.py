@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -204,3 +205,44 @@ def test_chaos_sends_sigusr1_to_one_worker_and_the_job_stops_gracefully(tmp_path
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     assert "[worker 1] trainguard: rank 1: SIGUSR1: stopped at step" in err
     assert len(set(graceful_steps(tmp_path).values())) == 1
+
+
+def test_hand_loop_save_cut_by_the_grace_period_never_looks_complete(tmp_path):
+    """tg.GracefulStop (a loop without Session): a dying-gasp save still running at the deadline
+    is abandoned, its manifest never written; every rank agreed on the same stop step."""
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, time
+        from pathlib import Path
+        import torch
+        import trainguard as tg
+
+        tg.init()
+        rank = tg.get_rank()
+        stop = tg.GracefulStop()
+        ckpt = Path({str(tmp_path / "ckpt")!r})
+
+        def save(step):  # stands for a save too big for the grace period
+            folder = ckpt / f"loop-1_{{step}}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"rank_{{rank}}.bin").write_bytes(b"x" * 1000)
+            time.sleep(30)
+            (folder / "manifest.json").write_text("{{}}")
+
+        for step in range(1, 1000):
+            torch.distributed.all_reduce(torch.ones(1))
+            if step == 3 and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # straight to one worker
+            if stop.requested(step):
+                print(f"rank {{rank}} stops at step {{step}}", flush=True)
+                stop.exit(step, lambda: save(step))
+            time.sleep(0.01)
+    """))
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "0",
+                           "--grace-period", "2", str(script)], env=env(), capture_output=True, text=True,
+                          timeout=90)
+    assert proc.returncode == EXIT_PREEMPTED, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "rank 0 stops at step 3" in proc.stdout and "rank 1 stops at step 3" in proc.stdout
+    assert "did not finish within the grace period (2 s); it is left incomplete" in proc.stdout + proc.stderr
+    folder = tmp_path / "ckpt" / "loop-1_3"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank_0.bin", "rank_1.bin"]  # no manifest
