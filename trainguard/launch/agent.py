@@ -2,11 +2,13 @@
 
 It starts the workers (and, at node rank 0, the scheduler), waits on each with waitpid in a
 thread (so exits are seen at once and in the order they happened), reports each death to
-the scheduler at once, restarts in place while the job-wide restart
-budget lasts (and the recover strategy replaces dead workers), forwards SIGINT/SIGTERM/SIGUSR1
-(workers first, scheduler last; the workers then save a dying-gasp checkpoint within the grace
-period and exit 75, and so does the agent) and prefixes every line a child prints. A restarted worker is, when one is warm, a hot spare that already
-imported torch (spares.py) rather than a fresh process. What to do about an exit is decided
+the scheduler at once, and restarts it while this agent's restart budget lasts and the recover
+strategy replaces dead workers: in place, or under `recover` on another host's agent
+(relocate.py). A worker that dies after its goodbye is not restarted. It forwards
+SIGINT/SIGTERM/SIGUSR1 (workers first, scheduler last; the workers then save a dying-gasp
+checkpoint within the grace period and exit 75, and so does the agent) and prefixes every line
+a child prints (children.py). A restarted worker is, when one is warm, a hot spare that
+already imported torch (spares.py) rather than a fresh process. What to do about an exit is decided
 by the pure functions in policy.py; `Supervisor` carries the decisions out.
 """
 
@@ -25,12 +27,12 @@ from typing import Mapping, Sequence, TextIO
 from ..config import Role
 from ..errors import ConfigError
 from ..obs.events import EventLog, format_recovery, summarize_recovery
-from .relocate import Relocation
+from .children import Child, _pump
 from .policy import (
     Action, Decision, Failure, LaunchSpec, decide_exit, ended_exit, exit_code_for, failure_summary, scheduler_env,
     signal_name, signalled_exit, spare_env, worker_env,
 )
-from .children import Child, _pump
+from .relocate import Relocation
 from .spares import SparePool, activate
 
 POLL_INTERVAL_S = 0.02
