@@ -21,12 +21,12 @@ from ..exitcodes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..obs.events import EventLog
 from . import membership as m
 from . import protocol as p
-from .db import ClusterDB
-from .kvstore import KVStore
-from .sched_rendezvous import RendezvousRequests
 from .agents import AgentBoard  # recover: where a dead worker starts again (hooks: _on_agent_*)
-from .placement import PlacementPolicy
+from .db import ClusterDB
 from .elastic import ElasticScheduling
+from .kvstore import KVStore
+from .placement import PlacementPolicy
+from .sched_rendezvous import RendezvousRequests
 
 log = logging.getLogger("trainguard.scheduler")
 
