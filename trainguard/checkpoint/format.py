@@ -4,7 +4,7 @@ A save writes into a hidden sibling temp folder, fsyncs every file, writes the m
 (sha256 and size of every shard), then renames the folder into place. A folder that has
 a parseable manifest and every listed file at its listed size is complete; anything else
 (temp folders, a crash at any point) is ignored by `list_checkpoints`. Loads validate the
-manifest and each safetensors header themselves before safetensors parses a byte.
+manifest and each safetensors header themselves (safeheader.py) before safetensors parses a byte.
 
 Manifest versions: 1 has no parallel layout; 2 adds "layout" (see layout.CheckpointLayout:
 every tensor's global shape and which rank file holds which slice); 3 is a training job's
@@ -37,8 +37,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
-from ..errors import CheckpointCorrupt, CheckpointError
+from ..errors import CheckpointError
 from .layout import CheckpointLayout
+from .safeheader import DTYPE_NAMES, DTYPES, check_header
+from .safeheader import corrupt as _corrupt
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -46,25 +48,9 @@ FORMAT_VERSION = 2  # sliced/integrated saves with a layout; without one, versio
 JOB_VERSION = 3  # a training job's checkpoint: one file per rank and every rank's own state (jobsave.py)
 READ_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 STALE_TEMP_SECONDS = 3600.0
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_.\-]+\.safetensors$")
 _TEMP_TAGS = ("tmp", "old", "del")
-_FALLBACK = "fall back to an earlier checkpoint"
-
-# safetensors dtype name -> (torch dtype, bytes per element); only dtypes safetensors reads
-_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    name: (getattr(torch, attr), size) for name, attr, size in [
-        ("F64", "float64", 8), ("F32", "float32", 4), ("F16", "float16", 2), ("BF16", "bfloat16", 2),
-        ("I64", "int64", 8), ("I32", "int32", 4), ("I16", "int16", 2), ("I8", "int8", 1),
-        ("U64", "uint64", 8), ("U32", "uint32", 4), ("U16", "uint16", 2), ("U8", "uint8", 1),
-        ("BOOL", "bool", 1), ("C64", "complex64", 8), ("F8_E4M3", "float8_e4m3fn", 1),
-        ("F8_E5M2", "float8_e5m2", 1), ("F8_E4M3FNUZ", "float8_e4m3fnuz", 1),
-        ("F8_E5M2FNUZ", "float8_e5m2fnuz", 1),
-    ] if hasattr(torch, attr)
-}
-_DTYPE_NAMES = {dt: name for name, (dt, _) in _DTYPES.items()}
-
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -113,12 +99,12 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor],
         t = tensors[key]
         if not isinstance(key, str) or key == "__metadata__":
             raise CheckpointError(f"{path.name}: tensor name {key!r} is not a str or is reserved")
-        if t.dtype not in _DTYPE_NAMES:
+        if t.dtype not in DTYPE_NAMES:
             raise CheckpointError(f"{path.name}: tensor {key!r} has dtype {t.dtype}, which safetensors "
-                                  f"cannot store; supported: {', '.join(sorted(_DTYPES))}")
+                                  f"cannot store; supported: {', '.join(sorted(DTYPES))}")
         t = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
         n = t.numel() * t.element_size()
-        header[key] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(tensors[key].shape),
+        header[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(tensors[key].shape),
                        "data_offsets": [offset, offset + n]}
         blobs.append(t.view(torch.uint8).numpy() if n else b"")
         offset += n
@@ -285,10 +271,6 @@ def _remove(path: Path) -> bool:
 # --- reading -------------------------------------------------------------------------------
 
 
-def _corrupt(path: Path, what: str) -> CheckpointCorrupt:
-    return CheckpointCorrupt(f"{path}: {what}; {_FALLBACK}")
-
-
 def read_manifest(folder: Path) -> dict:
     """The validated manifest of `folder` (no hashing); raises CheckpointCorrupt."""
     path = Path(folder) / MANIFEST
@@ -365,7 +347,7 @@ def _check_layout(path: Path, m: dict) -> None:
         if name not in m["files"]:
             raise _corrupt(path, f"layout names {name!r}, which is not among its files")
     for name, t in layout.tensors.items():
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPES:
             raise _corrupt(path, f"layout: tensor {name!r} has unknown dtype {t.dtype[:20]!r}")
     if len(layout.rank_files) not in (1, m["world_size"]):
         raise _corrupt(path, f"layout has {len(layout.rank_files)} rank files for world_size {m['world_size']}")
@@ -374,55 +356,6 @@ def _check_layout(path: Path, m: dict) -> None:
 def manifest_layout(manifest: dict) -> CheckpointLayout | None:
     """The parsed layout of a manifest `read_manifest` returned (None for version 1)."""
     return CheckpointLayout.from_json(manifest["layout"]) if "layout" in manifest else None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """safetensors' name for a torch dtype; CheckpointError if it cannot store it."""
-    if dtype not in _DTYPE_NAMES:
-        raise CheckpointError(f"dtype {dtype} cannot be stored by safetensors; supported: {', '.join(sorted(_DTYPES))}")
-    return _DTYPE_NAMES[dtype]
-
-
-def _check_header(path: Path, data: bytes) -> dict:
-    """Validate a safetensors header before the parser sees it; returns its string metadata."""
-    if len(data) < 8:
-        raise _corrupt(path, f"is {len(data)} bytes, too short for a safetensors header")
-    (n,) = struct.unpack_from("<Q", data)
-    if n > MAX_HEADER_BYTES or 8 + n > len(data):
-        raise _corrupt(path, f"safetensors header claims {n} bytes; the file has {len(data)} (limit "
-                       f"{MAX_HEADER_BYTES})")
-    try:
-        header = json.loads(data[8:8 + n])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _corrupt(path, f"safetensors header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise _corrupt(path, "safetensors header is not a JSON object")
-    body, spans = len(data) - 8 - n, []
-    for key, spec in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(spec, dict) or spec.get("dtype") not in _DTYPES:
-            raise _corrupt(path, f"tensor {key!r} has unknown dtype {str(spec)[:80]}")
-        shape, offs = spec.get("shape"), spec.get("data_offsets")
-        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
-            raise _corrupt(path, f"tensor {key!r} has a bad shape {str(shape)[:80]}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
-                and 0 <= offs[0] <= offs[1] <= body):
-            raise _corrupt(path, f"tensor {key!r} has data offsets {str(offs)[:80]} outside the {body}-byte data")
-        numel = 1
-        for s in shape:
-            numel *= s
-        if numel * _DTYPES[spec["dtype"]][1] != offs[1] - offs[0]:
-            raise _corrupt(path, f"tensor {key!r} is {spec['dtype']} {shape} but spans {offs[1] - offs[0]} bytes")
-        spans.append((offs[0], offs[1], key))
-    spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-        if start < end:
-            raise _corrupt(path, f"tensors {a!r} and {b!r} overlap in the data")
-    metadata = header.get("__metadata__")
-    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise _corrupt(path, "safetensors __metadata__ is not an object of strings")
-    return metadata or {}
 
 
 def read_shard(path: Path, entry: dict, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -443,7 +376,7 @@ def read_shard_metadata(path: Path, entry: dict, verify: bool = True) -> tuple[d
                        "overwritten)")
     if verify and hashlib.sha256(data).hexdigest() != entry["sha256"].lower():
         raise _corrupt(path, "sha256 does not match the manifest (the file was altered or bits flipped)")
-    metadata = _check_header(path, data)
+    metadata = check_header(path, data)
     try:
         return st_load(data), metadata
     except (SafetensorError, ValueError, RuntimeError, KeyError) as exc:

@@ -41,6 +41,7 @@ from ..errors import CheckpointCorrupt, CheckpointError
 from . import format as fmt
 from .blob import unpack
 from .codec import unflatten_state
+from .safeheader import FALLBACK, corrupt, problem
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -189,7 +190,7 @@ def _read(folder: Path, manifest: dict, name: str) -> tuple[dict, dict]:
     try:
         return tensors, json.loads(metadata[META_KEY])
     except (KeyError, ValueError) as exc:
-        raise fmt._corrupt(folder / name, f"has no readable {META_KEY} metadata ({exc!r})") from None
+        raise corrupt(folder / name, f"has no readable {META_KEY} metadata ({exc!r})") from None
 
 
 def read_rank_file(folder: Path, manifest: dict, name: str, *, repair: bool = True) -> tuple[dict, dict, str]:
@@ -200,14 +201,14 @@ def read_rank_file(folder: Path, manifest: dict, name: str, *, repair: bool = Tr
         try:
             tensors, meta = _read(folder, manifest, source)
         except CheckpointCorrupt as exc:
-            errors.append(str(exc).removesuffix(f"; {fmt._FALLBACK}"))
+            errors.append(problem(exc))
             continue
         if source != name:
             log.warning("%s; read its bit-identical replica %s instead", errors[0], source)
             if repair:
                 copy_replica(folder, manifest, name, source)
         return tensors, meta, source
-    raise CheckpointCorrupt(f"{folder / name}: no intact copy is left ({' | '.join(errors)}); {fmt._FALLBACK}")
+    raise CheckpointCorrupt(f"{folder / name}: no intact copy is left ({' | '.join(errors)}); {FALLBACK}")
 
 
 def copy_replica(folder: Path, manifest: dict, name: str, source: str) -> bool:
@@ -245,7 +246,7 @@ def load_rank(folder: Path, rank: int, world_size: int) -> tuple[dict, str]:
     try:
         own = unpack(base64.b64decode(entry["state"], validate=True), f"rank {rank}'s state")
     except (ValueError, CheckpointCorrupt) as exc:
-        raise fmt._corrupt(folder / fmt.MANIFEST, f"rank {rank}'s state is unreadable ({exc})") from None
+        raise corrupt(folder / fmt.MANIFEST, f"rank {rank}'s state is unreadable ({exc})") from None
     return {"shared": unflatten_state(tensors, meta, copy=False), "own": own}, source
 
 
@@ -290,7 +291,7 @@ def verify_job(folder: Path):
             if entry["file"] not in bad and entry["file"] not in problems:
                 _read(folder, manifest, entry["file"])
         except CheckpointCorrupt as exc:
-            problems[entry["file"]] = str(exc).removesuffix(f"; {fmt._FALLBACK}").removeprefix(
+            problems[entry["file"]] = problem(exc).removeprefix(
                 f"{folder / entry['file']}: ")
             bad.add(entry["file"])
             damaged.add(r)

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointCorrupt, CheckpointError
-from .format import _FALLBACK, MANIFEST, _DTYPES, dtype_name, manifest_layout, read_manifest, read_shard
+from .format import MANIFEST, manifest_layout, read_manifest, read_shard
+from .safeheader import DTYPES, dtype_name, problem
 from .layout import CheckpointLayout, Piece, Slice, TensorLayout
 
 log = logging.getLogger("trainguard.checkpoint")
@@ -70,7 +71,7 @@ class PieceReader:
             if t is None:
                 raise CheckpointCorrupt(f"{path}: tensor {name!r} is missing but the manifest says this file holds "
                                         f"{piece.slice} of it; fall back to an earlier checkpoint")
-            if tuple(t.shape) != piece.slice.lengths or t.dtype != _DTYPES[spec.dtype][0]:
+            if tuple(t.shape) != piece.slice.lengths or t.dtype != DTYPES[spec.dtype][0]:
                 raise CheckpointCorrupt(f"{path}: tensor {name!r} is {dtype_name(t.dtype)} {list(t.shape)}, the "
                                         f"manifest says {spec.dtype} {list(piece.slice.lengths)}; fall back to an "
                                         "earlier checkpoint")
@@ -89,7 +90,7 @@ class PieceReader:
             except CheckpointCorrupt as exc:
                 if rank not in self._warned:
                     self._warned.add(rank)
-                    log.warning("%s; reading its slices from replicas instead", without_advice(exc))
+                    log.warning("%s; reading its slices from replicas instead", problem(exc))
                 errors.append(str(exc))
                 continue
             self.used.add(rank)
@@ -104,15 +105,12 @@ class PieceReader:
         # read (and so check against the files) before allocating: a hostile manifest cannot make
         # `out` larger than the pieces the files really hold
         parts = [(common, self.read_piece(name, piece), piece) for piece, common in spec.overlapping(box)]
-        out = torch.empty(box.lengths, dtype=_DTYPES[spec.dtype][0])
+        out = torch.empty(box.lengths, dtype=DTYPES[spec.dtype][0])
         for common, data, piece in parts:
             out[common.within(box)] = data[common.within(piece.slice)]
         return out
 
 
-def without_advice(exc: Exception) -> str:
-    """A CheckpointCorrupt message without its "fall back" advice, for when a replica stands in."""
-    return str(exc).removesuffix(f"; {_FALLBACK}")
 
 
 def open_checkpoint(path: str | Path, *, prefer: int = 0, avoid: frozenset[int] = frozenset()) -> PieceReader:

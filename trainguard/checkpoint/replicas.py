@@ -22,7 +22,8 @@ from pathlib import Path
 from ..errors import CheckpointCorrupt, CheckpointError
 from .format import _fsync_dir, _write_json, read_shard, write_shard
 from .format import read_manifest
-from .pieces import checkpoint_folder, open_checkpoint, without_advice
+from .pieces import checkpoint_folder, open_checkpoint
+from .safeheader import problem
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -119,7 +120,7 @@ def recover_rank(folder: str | Path, rank: int) -> Recovered:
         read_shard(path, entry)
         intact = True
     except CheckpointCorrupt as exc:
-        log.warning("%s; rebuilding it from its replicas", without_advice(exc))
+        log.warning("%s; rebuilding it from its replicas", problem(exc))
         intact = False
     if intact:
         _restore_group_info(folder, rank, layout)
@@ -193,7 +194,7 @@ def verify_checkpoint(path: str | Path) -> Verified:
         try:
             reader.open_rank(rank)
         except CheckpointCorrupt as exc:
-            problems[name] = without_advice(exc).removeprefix(f"{reader.path(rank)}: ")
+            problems[name] = problem(exc).removeprefix(f"{reader.path(rank)}: ")
             damaged.add(rank)
     if reader.layout.kind == "sliced":
         for rank in range(reader.n_ranks):

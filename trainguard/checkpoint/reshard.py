@@ -20,7 +20,8 @@ import torch
 
 from ..errors import CheckpointError
 from .codec import flatten_state, unflatten_state
-from .format import MANIFEST, dtype_name
+from .format import MANIFEST
+from .safeheader import dtype_name
 from .layout import Slice, is_dtensor, local_slice
 from .pieces import open_checkpoint
 

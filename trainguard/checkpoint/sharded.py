@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from .codec import flatten_state
-from .format import _remove, commit_checkpoint, dtype_name, new_manifest, temp_folder, write_shard
+from .format import _remove, commit_checkpoint, new_manifest, temp_folder, write_shard
+from .safeheader import dtype_name
 from .layout import CheckpointLayout, Piece, Slice, TensorLayout, check_cover, group_pieces, is_dtensor, \
     local_slice, mesh_info, replica_groups
 from .replicas import group_info_file, write_group_info

@@ -1,0 +1,91 @@
+"""A safetensors header, read as untrusted input, and the dtypes safetensors can hold.
+
+`check_header` validates a file's header (its length, JSON, every tensor's dtype, shape and data
+span, no overlaps, string metadata) before the safetensors parser sees a byte, so a hostile or
+damaged file is refused with its name and the reason. Every such refusal says to fall back to an
+earlier checkpoint; `problem` gives the reason alone, for messages that list several files.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointCorrupt, CheckpointError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+FALLBACK = "fall back to an earlier checkpoint"
+
+# safetensors dtype name -> (torch dtype, bytes per element); only dtypes safetensors reads
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    name: (getattr(torch, attr), size) for name, attr, size in [
+        ("F64", "float64", 8), ("F32", "float32", 4), ("F16", "float16", 2), ("BF16", "bfloat16", 2),
+        ("I64", "int64", 8), ("I32", "int32", 4), ("I16", "int16", 2), ("I8", "int8", 1),
+        ("U64", "uint64", 8), ("U32", "uint32", 4), ("U16", "uint16", 2), ("U8", "uint8", 1),
+        ("BOOL", "bool", 1), ("C64", "complex64", 8), ("F8_E4M3", "float8_e4m3fn", 1),
+        ("F8_E5M2", "float8_e5m2", 1), ("F8_E4M3FNUZ", "float8_e4m3fnuz", 1),
+        ("F8_E5M2FNUZ", "float8_e5m2fnuz", 1),
+    ] if hasattr(torch, attr)
+}
+DTYPE_NAMES = {dt: name for name, (dt, _) in DTYPES.items()}
+
+
+def corrupt(path: Path, what: str) -> CheckpointCorrupt:
+    return CheckpointCorrupt(f"{path}: {what}; {FALLBACK}")
+
+
+def problem(exc: Exception) -> str:
+    """What a `corrupt` error says, without the advice to fall back."""
+    return str(exc).removesuffix(f"; {FALLBACK}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors' name for a torch dtype; CheckpointError if it cannot store it."""
+    if dtype not in DTYPE_NAMES:
+        raise CheckpointError(f"dtype {dtype} cannot be stored by safetensors; supported: {', '.join(sorted(DTYPES))}")
+    return DTYPE_NAMES[dtype]
+
+
+def check_header(path: Path, data: bytes) -> dict:
+    """Validate a safetensors header before the parser sees it; returns its string metadata."""
+    if len(data) < 8:
+        raise corrupt(path, f"is {len(data)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack_from("<Q", data)
+    if n > MAX_HEADER_BYTES or 8 + n > len(data):
+        raise corrupt(path, f"safetensors header claims {n} bytes; the file has {len(data)} (limit "
+                       f"{MAX_HEADER_BYTES})")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise corrupt(path, f"safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise corrupt(path, "safetensors header is not a JSON object")
+    body, spans = len(data) - 8 - n, []
+    for key, spec in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(spec, dict) or spec.get("dtype") not in DTYPES:
+            raise corrupt(path, f"tensor {key!r} has unknown dtype {str(spec)[:80]}")
+        shape, offs = spec.get("shape"), spec.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+            raise corrupt(path, f"tensor {key!r} has a bad shape {str(shape)[:80]}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+                and 0 <= offs[0] <= offs[1] <= body):
+            raise corrupt(path, f"tensor {key!r} has data offsets {str(offs)[:80]} outside the {body}-byte data")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel * DTYPES[spec["dtype"]][1] != offs[1] - offs[0]:
+            raise corrupt(path, f"tensor {key!r} is {spec['dtype']} {shape} but spans {offs[1] - offs[0]} bytes")
+        spans.append((offs[0], offs[1], key))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise corrupt(path, f"tensors {a!r} and {b!r} overlap in the data")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise corrupt(path, "safetensors __metadata__ is not an object of strings")
+    return metadata or {}
