@@ -19,6 +19,7 @@ complete checkpoint.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -69,8 +70,6 @@ class GracefulStop:
                 print(f"trainguard: rank {rt.rank}: {name}: the dying-gasp save of step {step} did not finish "
                       f"within the grace period ({self.grace:g} s); it is left incomplete", file=sys.stderr,
                       flush=True)
-                import os
-
                 os._exit(EXIT_PREEMPTED)
 
         threading.Thread(target=watchdog, name="trainguard-grace", daemon=True).start()
