@@ -1,5 +1,4 @@
 import json
-import math
 import random
 import struct
 from collections import OrderedDict

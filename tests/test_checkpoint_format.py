@@ -2,7 +2,6 @@ import errno
 import hashlib
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -15,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from trainguard.checkpoint.codec import flatten_state, unflatten_state
-from trainguard.checkpoint.format import CheckpointInfo, checkpoint_name, load_checkpoint, read_manifest, save_checkpoint
+from trainguard.checkpoint.format import CheckpointInfo, checkpoint_name, load_checkpoint, save_checkpoint
+from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.retention import list_checkpoints, prune_checkpoints
 from trainguard.errors import CheckpointCorrupt, CheckpointError
 

@@ -6,16 +6,11 @@ sliced (per-rank) saves of parallel states that load into any layout.
 """
 
 from .codec import flatten_state, state_nbytes, unflatten_state
-from .format import (
-    CheckpointInfo,
-    checkpoint_name,
-    load_checkpoint,
-    read_manifest,
-    save_checkpoint,
-)
-from .retention import list_checkpoints, prune_checkpoints
+from .format import CheckpointInfo, checkpoint_name, load_checkpoint, save_checkpoint
 from .layout import CheckpointLayout, Piece, Slice, TensorLayout
+from .manifest import read_manifest
 from .replicas import recover_rank, restore_group_info_list, verify_checkpoint
+from .retention import list_checkpoints, prune_checkpoints
 from .reshard import init_optimizer_state, load_param_into_net, load_sharded
 from .sharded import save_sharded
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
+from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from safetensors.torch import save_file
 
 from ..errors import CheckpointCorrupt
+from . import io
 from .codec import flatten_state, unflatten_state
 
 _HEAD = struct.Struct(">IQ")
@@ -45,20 +49,13 @@ def unpack(data: bytes, what: str = "state blob"):
 
 def save_state(path, obj) -> None:
     """Write any training state to one safetensors file (structure in its metadata), atomically."""
-    import os
-
-    from safetensors.torch import save_file
-
     tensors, meta = flatten_state(obj, copy=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file(tensors, tmp, metadata={"trainguard_meta": json.dumps(meta, allow_nan=False)})
-    os.replace(tmp, path)
+    with io.replacing(Path(path)) as tmp:
+        save_file(tensors, str(tmp), metadata={"trainguard_meta": json.dumps(meta, allow_nan=False)})
 
 
 def load_state(path):
     """Read a file written by save_state; never unpickles."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})["trainguard_meta"])

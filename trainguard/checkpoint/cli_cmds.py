@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 from ..errors import CheckpointCorrupt, CheckpointError
-from .format import MANIFEST, manifest_layout, read_manifest
+from .manifest import MANIFEST, read
 from .pieces import checkpoint_folder
 from .replicas import recover_rank, verify_checkpoint
+from .safeheader import CorruptFile
 
 
 def _size(n: int) -> str:
@@ -23,22 +24,15 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _kind(manifest: dict) -> str:
-    if "ranks" in manifest:
-        return "job"
-    return manifest["layout"]["kind"] if "layout" in manifest else "per-rank"
-
-
 def _row(folder: Path) -> tuple:
     try:
-        m = read_manifest(folder)
-    except CheckpointCorrupt as exc:
-        return (-1, folder.name, "-", "-", "-", "-", "-", f"INCOMPLETE: {str(exc).split(': ', 1)[-1]}")
-    missing = [n for n, e in m["files"].items()
-               if not (folder / n).is_file() or (folder / n).stat().st_size != e["bytes"]]
+        m = read(folder)
+    except CorruptFile as exc:
+        return (-1, folder.name, "-", "-", "-", "-", "-", f"INCOMPLETE: {exc.reason}")
+    missing = m.wrong_size()
     status = f"DAMAGED: {', '.join(missing)} missing or wrong size" if missing else "complete (not hashed)"
-    size = sum(e["bytes"] for e in m["files"].values())
-    return (m["step"], folder.name, m["epoch"], m["world_size"], _kind(m), len(m["files"]), _size(size), status)
+    size = sum(e.bytes for e in m.files.values())
+    return (m.step, folder.name, m.epoch, m.world_size, m.label, len(m.files), _size(size), status)
 
 
 def ls(directory: Path) -> int:
@@ -76,22 +70,20 @@ def verify(path: Path) -> int:
 
 
 def inspect(path: Path, as_json: bool = False) -> int:
-    folder = checkpoint_folder(path)
-    m = read_manifest(folder)
+    m = read(checkpoint_folder(path))
     if as_json:
-        print(json.dumps(m, indent=1))
+        print(json.dumps(m.raw, indent=1))
         return 0
-    layout = manifest_layout(m)
-    print(f"{folder}\n  format {m['format_version']}, step {m['step']}, epoch {m['epoch']}, world size "
-          f"{m['world_size']}, saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m['created']))}")
-    print(f"  append_info: {json.dumps(m.get('append_info'))}")
-    for name, entry in m["files"].items():
-        print(f"  file {name}: {entry['bytes']} bytes, sha256 {entry['sha256'][:16]}…")
-    for r, entry in sorted(m.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
-        print(f"  rank {r}: {entry['file']}, data position {json.dumps(entry['progress'])}, RNG state in the manifest")
+    print(f"{m.folder}\n  format {m.version}, step {m.step}, epoch {m.epoch}, world size {m.world_size}, saved "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created))}")
+    print(f"  append_info: {json.dumps(m.append_info)}")
+    for name, entry in m.files.items():
+        print(f"  file {name}: {entry.bytes} bytes, sha256 {entry.sha256[:16]}…")
+    for r, entry in enumerate(m.ranks):
+        print(f"  rank {r}: {entry.file}, data position {json.dumps(entry.progress)}, RNG state in the manifest")
+    layout = m.layout
     if layout is None:
-        print("  no parallel layout: " + ("each rank's file holds its data-parallel state; equal sha256 = a replica"
-                                          if "ranks" in m else "each file holds one rank's whole state"))
+        print(f"  no parallel layout: {m.holds}")
         return 0
     print(f"  kind {layout.kind}; group info (ranks holding identical slices): "
           f"{[list(g) for g in layout.group_info]}")

@@ -31,17 +31,18 @@ import contextvars
 import hashlib
 import json
 import logging
-import os
-import secrets
 import threading
 import time
 from pathlib import Path
 
 from ..errors import CheckpointCorrupt, CheckpointError
 from . import format as fmt
+from . import io
 from .blob import unpack
 from .codec import unflatten_state
-from .safeheader import FALLBACK, corrupt, problem
+from .manifest import MANIFEST, Kind, Manifest, Recovered, Verified, rank_file, read
+from .pieces import PieceReader, single_reader
+from .safeheader import CorruptFile, corrupt
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -49,10 +50,6 @@ META_KEY = "trainguard_meta"  # the state's structure (codec meta), in each file
 POLL_S = 0.05
 # (rank, step) of the part this thread is writing, for fault injection (trainguard.testing.faults)
 WRITING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("trainguard_writing", default=None)
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank}.safetensors"
 
 
 def _marker(tmp: Path, rank: int, kind: str) -> Path:
@@ -71,20 +68,14 @@ def temp_for(folder: Path, step: int, sid: str) -> Path:
     return fmt.temp_folder(folder, f"{step}-{sid}")
 
 
-def _write_small_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 # --- writing ---------------------------------------------------------------------------------
+
+
+def part_done(tmp: Path, rank: int, sid: str) -> bool:
+    """`rank`'s part of this save (`sid`) is already written into `tmp` (e.g. by a regular save of
+    the same step that a dying-gasp save must not rewrite under its committer)."""
+    return rank in _read_markers(tmp, rank + 1, sid)[0]
+
 
 
 def write_part(tmp: Path, rank: int, step: int, tensors: dict, meta: dict, sid: str) -> dict:
@@ -96,24 +87,20 @@ def write_part(tmp: Path, rank: int, step: int, tensors: dict, meta: dict, sid: 
         _marker(tmp, rank, kind).unlink(missing_ok=True)
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        private = current = tmp / f".{name}.{os.getpid()}-{secrets.token_hex(4)}"
-        try:
+        # write_shard fsyncs the file; writing the done marker below fsyncs the folder
+        with io.replacing(tmp / name, fsync=False, sync_dir=False) as private:
+            current = private
             sha, size = fmt.write_shard(private, tensors, {META_KEY: json.dumps(meta, allow_nan=False)})
             current = tmp / name
-            os.replace(private, current)
-        finally:
-            private.unlink(missing_ok=True)
         entry = {"save_id": sid, "rank": rank, "file": name, "sha256": sha, "bytes": size}
         current = _marker(tmp, rank, "done")
-        _write_small_json(current, entry)
-        current = tmp
-        fmt._fsync_dir(tmp)
+        io.write_json(current, entry)
         return entry
     except (OSError, CheckpointError) as exc:
         why = f"{exc.strerror or exc} [errno {exc.errno}]" if isinstance(exc, OSError) else str(exc)
         error = f"rank {rank} could not write its part of step {step}, {current}: {why}"
         try:
-            _write_small_json(_marker(tmp, rank, "failed"), {"save_id": sid, "rank": rank, "error": error})
+            io.write_json(_marker(tmp, rank, "failed"), {"save_id": sid, "rank": rank, "error": error})
         except OSError as again:
             log.error("could not leave a failed marker in %s either (%s): the committer waits until its timeout",
                       tmp, again)
@@ -126,7 +113,7 @@ def _read_markers(tmp: Path, world_size: int, sid: str) -> tuple[dict[int, dict]
         for kind in ("failed", "done"):
             try:
                 obj = json.loads(_marker(tmp, rank, kind).read_bytes())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 continue
             if not isinstance(obj, dict) or obj.get("save_id") != sid or obj.get("rank") != rank:
                 continue
@@ -148,7 +135,7 @@ def commit(folder: Path, step: int, sid: str, manifest: dict, *, timeout: float,
     while True:
         done, failed = _read_markers(tmp, world, sid)
         if failed:
-            fmt._remove(tmp)
+            io.remove(tmp)
             raise CheckpointError(f"checkpoint {folder} of step {step} abandoned: " + "; ".join(failed))
         missing = [r for r in range(world) if r not in done]
         if not missing:
@@ -179,74 +166,65 @@ def ranks_entry(blobs: dict[int, bytes]) -> dict:
 # --- reading ---------------------------------------------------------------------------------
 
 
-def _replicas(manifest: dict, name: str) -> list[str]:
-    want = manifest["files"][name]
-    return [n for n, e in manifest["files"].items()
-            if n != name and e["sha256"].lower() == want["sha256"].lower() and e["bytes"] == want["bytes"]]
-
-
-def _read(folder: Path, manifest: dict, name: str) -> tuple[dict, dict]:
-    tensors, metadata = fmt.read_shard_metadata(folder / name, manifest["files"][name])
+def _read(manifest: Manifest, name: str) -> tuple[dict, dict]:
+    path = manifest.folder / name
+    tensors, metadata = fmt.read_shard_metadata(path, manifest.files[name])
     try:
         return tensors, json.loads(metadata[META_KEY])
-    except (KeyError, ValueError) as exc:
-        raise corrupt(folder / name, f"has no readable {META_KEY} metadata ({exc!r})") from None
+    except (KeyError, ValueError, RecursionError) as exc:
+        raise corrupt(path, f"has no readable {META_KEY} metadata ({exc!r})") from None
 
 
-def read_rank_file(folder: Path, manifest: dict, name: str, *, repair: bool = True) -> tuple[dict, dict, str]:
+def read_rank_file(manifest: Manifest, name: str, *, repair: bool = True) -> tuple[dict, dict, str]:
     """(tensors, codec meta, the file they came from): `name`, else a bit-identical replica, which
     then also rewrites `name` when `repair`. CheckpointCorrupt names every file tried."""
     errors = []
-    for source in [name, *_replicas(manifest, name)]:
+    for source in [name, *manifest.stand_ins(name)]:
         try:
-            tensors, meta = _read(folder, manifest, source)
-        except CheckpointCorrupt as exc:
-            errors.append(problem(exc))
+            tensors, meta = _read(manifest, source)
+        except CorruptFile as exc:
+            errors.append(exc.problem)
             continue
         if source != name:
             log.warning("%s; read its bit-identical replica %s instead", errors[0], source)
             if repair:
-                copy_replica(folder, manifest, name, source)
+                copy_replica(manifest, name, source)
         return tensors, meta, source
-    raise CheckpointCorrupt(f"{folder / name}: no intact copy is left ({' | '.join(errors)}); {FALLBACK}")
+    raise corrupt(manifest.folder / name, f"no intact copy is left ({' | '.join(errors)})")
 
 
-def copy_replica(folder: Path, manifest: dict, name: str, source: str) -> bool:
+def copy_replica(manifest: Manifest, name: str, source: str) -> bool:
     """Rewrite `name` with the bytes of `source`, kept only if its sha256 matches the manifest."""
-    entry, tmp = manifest["files"][name], folder / f".{name}.repair-{os.getpid()}-{secrets.token_hex(4)}"
+    folder = manifest.folder
     try:
         data = (folder / source).read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry["sha256"].lower():
+        if hashlib.sha256(data).hexdigest() != manifest.files[name].sha256:
             raise OSError(f"{source} changed while it was copied")
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / name)
-        fmt._fsync_dir(folder)
+        io.write_bytes(folder / name, data)
     except OSError as exc:
         log.warning("could not rewrite %s from its replica %s: %s", folder / name, source, exc)
         return False
-    finally:
-        tmp.unlink(missing_ok=True)
     log.warning("rewrote %s from its replica %s (sha256 matches the manifest)", folder / name, source)
     return True
 
 
+def _own_state(manifest: Manifest, rank: int) -> dict:
+    try:
+        return unpack(base64.b64decode(manifest.ranks[rank].state, validate=True), f"rank {rank}'s state")
+    except (ValueError, CheckpointCorrupt) as exc:
+        raise corrupt(manifest.path, f"rank {rank}'s state is unreadable ({exc})") from None
+
+
 def load_rank(folder: Path, rank: int, world_size: int) -> tuple[dict, str]:
     """({"shared", "own"} of `rank`, the file its shared state came from), verified."""
-    manifest = fmt.read_manifest(folder)
-    if "ranks" not in manifest:
+    manifest = read(folder)
+    if manifest.kind is not Kind.JOB:
         raise CheckpointError(f"{folder}: is not a training job's checkpoint (format 3); load it with "
                               "trainguard.load_checkpoint")
-    if manifest["world_size"] != world_size:
-        raise CheckpointError(f"{folder}: was saved by {manifest['world_size']} ranks, this job has {world_size}")
-    entry = manifest["ranks"][str(rank)]
-    tensors, meta, source = read_rank_file(folder, manifest, entry["file"])
-    try:
-        own = unpack(base64.b64decode(entry["state"], validate=True), f"rank {rank}'s state")
-    except (ValueError, CheckpointCorrupt) as exc:
-        raise corrupt(folder / fmt.MANIFEST, f"rank {rank}'s state is unreadable ({exc})") from None
+    if manifest.world_size != world_size:
+        raise CheckpointError(f"{folder}: was saved by {manifest.world_size} ranks, this job has {world_size}")
+    tensors, meta, source = read_rank_file(manifest, manifest.ranks[rank].file)
+    own = _own_state(manifest, rank)
     return {"shared": unflatten_state(tensors, meta, copy=False), "own": own}, source
 
 
@@ -275,47 +253,46 @@ class Waiter:
         self.thread, self._give_up_at = None, float("inf")
 
 
-# --- verify and recover (trainguard ckpt verify / recover) ---------------------------------------
+# --- version 3's open, verify and recover (dispatched by replicas.py) -------------------------------
 
 
-def verify_job(folder: Path):
+def open_job(manifest: Manifest, *, prefer: int = 0, avoid: frozenset[int] = frozenset()) -> PieceReader:
+    """Rank 0's shared state (data parallel: every rank's), or a replica of it, as whole tensors."""
+    name = manifest.ranks[0].file
+    return single_reader(manifest, name, read_rank_file(manifest, name, repair=False)[0])
+
+
+def verify_job(manifest: Manifest) -> Verified:
     """Hash every rank file of a job checkpoint and check every rank's state; say which damaged
     files still have an intact bit-identical replica."""
-    from .replicas import Verified
-
-    manifest = fmt.read_manifest(folder)
     problems, damaged, bad = {}, set(), set()
-    for r in range(manifest["world_size"]):
-        entry = manifest["ranks"][str(r)]
+    for r, entry in enumerate(manifest.ranks):
         try:
-            if entry["file"] not in bad and entry["file"] not in problems:
-                _read(folder, manifest, entry["file"])
-        except CheckpointCorrupt as exc:
-            problems[entry["file"]] = problem(exc).removeprefix(
-                f"{folder / entry['file']}: ")
-            bad.add(entry["file"])
+            if entry.file not in bad and entry.file not in problems:
+                _read(manifest, entry.file)
+        except CorruptFile as exc:
+            problems[entry.file] = exc.reason
+            bad.add(entry.file)
             damaged.add(r)
         try:
-            unpack(base64.b64decode(entry["state"], validate=True), f"rank {r}'s state")
-        except (ValueError, CheckpointCorrupt) as exc:
-            problems[f"{fmt.MANIFEST} (rank {r}'s state)"] = str(exc)
-    lost = [name for name in sorted(bad) if all(n in bad for n in _replicas(manifest, name))]
-    lost += [p for p in problems if p.startswith(fmt.MANIFEST)]
-    return Verified(folder, problems, sorted(damaged), lost, manifest["world_size"])
+            _own_state(manifest, r)
+        except CorruptFile as exc:
+            problems[f"{MANIFEST} (rank {r}'s state)"] = exc.reason
+    lost = [name for name in sorted(bad) if bad.issuperset(manifest.stand_ins(name))]
+    lost += [p for p in problems if p.startswith(MANIFEST)]
+    return Verified(manifest.folder, problems, sorted(damaged), lost, manifest.world_size)
 
 
-def recover_job_rank(folder: Path, rank: int):
+def recover_job(manifest: Manifest, rank: int) -> Recovered:
     """Rewrite rank `rank`'s file from an intact bit-identical replica; an intact file stays."""
-    from .replicas import Recovered
-
-    manifest = fmt.read_manifest(folder)
-    if not 0 <= rank < manifest["world_size"]:
-        raise CheckpointError(f"{folder}: has ranks 0..{manifest['world_size'] - 1}; there is no rank {rank}")
-    name = manifest["ranks"][str(rank)]["file"]
-    _, _, source = read_rank_file(folder, manifest, name, repair=False)
+    folder = manifest.folder
+    if not 0 <= rank < manifest.world_size:
+        raise CheckpointError(f"{folder}: has ranks 0..{manifest.world_size - 1}; there is no rank {rank}")
+    name = manifest.ranks[rank].file
+    _, _, source = read_rank_file(manifest, name, repair=False)
     if source == name:
         return Recovered(folder / name, (), True)
-    if not copy_replica(folder, manifest, name, source):
+    if not copy_replica(manifest, name, source):
         raise CheckpointError(f"{folder / name}: could not be rewritten from its replica {source}; see the log")
-    holder = next(int(r) for r, e in manifest["ranks"].items() if e["file"] == source)
+    holder = next(r for r, e in enumerate(manifest.ranks) if e.file == source)
     return Recovered(folder / name, (holder,), False)

@@ -20,10 +20,9 @@ import torch
 
 from ..errors import CheckpointError
 from .codec import flatten_state, unflatten_state
-from .format import MANIFEST
-from .safeheader import dtype_name
 from .layout import Slice, is_dtensor, local_slice
-from .pieces import open_checkpoint
+from .replicas import open_checkpoint
+from .safeheader import dtype_name
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -50,7 +49,7 @@ def load_sharded(folder: str | Path, target: Any = None, *, strict: bool = True)
     values too. Tensors only in the checkpoint come back whole; with strict=True (the default)
     any tensor in only one of the two is an error. `target=None` loads every tensor whole."""
     reader = open_checkpoint(folder, prefer=_this_rank())
-    layout, where = reader.layout, reader.folder / MANIFEST
+    layout, where = reader.layout, reader.manifest.path
     targets: dict[str, torch.Tensor] = {}
     if target is not None:
         def collect(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +84,7 @@ def load_sharded(folder: str | Path, target: Any = None, *, strict: bool = True)
     if reader.bad:
         log.warning("%s: loaded from replicas in place of %s; run `trainguard ckpt recover` to rebuild them",
                     reader.folder, ", ".join(layout.rank_files[r] for r in sorted(reader.bad)))
-    return unflatten_state(tensors, reader.manifest["meta"], copy=False)
+    return unflatten_state(tensors, reader.manifest.meta, copy=False)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

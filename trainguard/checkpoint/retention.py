@@ -1,11 +1,10 @@
 """Which checkpoint folders in a directory are complete, and retention: pruning old ones and stale temps.
 
 A folder counts when its manifest parses and every listed file has its listed size (no hashing:
-loads verify the sha256). In a training job's checkpoint (format 3) a file may also be missing
-when another file with the same sha256 and size stands in: loading reads that replica and
-rewrites the missing file (jobsave.py). Pruning renames a folder aside before deleting it, so no
-half-deleted folder is ever left under a real checkpoint name, and always keeps the newest
-complete checkpoint.
+loads verify the sha256), or a file that can stand in for it does (`Manifest.incomplete`: in a
+training job's checkpoint, a bit-identical replica, which loading reads and copies back).
+Pruning renames a folder aside before deleting it, so no half-deleted folder is ever left under
+a real checkpoint name, and always keeps the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -18,32 +17,21 @@ import time
 from pathlib import Path
 
 from ..errors import CheckpointCorrupt
-from .format import _TEMP_TAGS, STALE_TEMP_SECONDS, CheckpointInfo, _remove, read_manifest
+from . import io
+from .format import STALE_TEMP_SECONDS, TEMP_TAGS, CheckpointInfo
+from .manifest import Manifest, read
 
 log = logging.getLogger("trainguard.checkpoint")
 
 
-def _size(path: Path) -> int:
+def _is_complete(folder: Path) -> Manifest | None:
     try:
-        return path.stat().st_size
-    except OSError:
-        return -1
-
-
-def _is_complete(folder: Path) -> dict | None:
-    try:
-        m = read_manifest(folder)
+        m = read(folder)
     except CheckpointCorrupt as exc:
         log.warning("ignoring incomplete checkpoint folder: %s", exc)
         return None
-    sizes = {name: _size(folder / name) for name in m["files"]}
-    intact = {(e["sha256"].lower(), e["bytes"]) for n, e in m["files"].items() if sizes[n] == e["bytes"]}
-    for name, entry in m["files"].items():
-        size = sizes[name]
-        if size == entry["bytes"] or ("ranks" in m and (entry["sha256"].lower(), entry["bytes"]) in intact):
-            continue
-        log.warning("ignoring checkpoint %s: %s is %s bytes, the manifest says %s",
-                    folder, name, "missing" if size < 0 else size, entry["bytes"])
+    if (why := m.incomplete()) is not None:
+        log.warning("ignoring checkpoint %s: %s", folder, why)
         return None
     return m
 
@@ -58,7 +46,7 @@ def list_checkpoints(directory: Path, prefix: str) -> list[CheckpointInfo]:
     found = []
     for path in entries:
         if pattern.match(path.name) and path.is_dir() and (m := _is_complete(path)) is not None:
-            found.append(CheckpointInfo(path, m["step"], m["epoch"], m["world_size"]))
+            found.append(CheckpointInfo(path, m.step, m.epoch, m.world_size))
     return sorted(found, key=lambda c: (c.step, c.epoch, c.path.name))
 
 
@@ -84,11 +72,11 @@ def prune_checkpoints(directory: Path, prefix: str, keep_max: int, *,
         except OSError as exc:
             log.warning("could not prune %s: %s", info.path, exc)
             continue
-        _remove(aside)
+        io.remove(aside)
         deleted.append(info.path)
-    temp = re.compile(rf"^\.{re.escape(prefix)}-\d+_\d+\.(?:{'|'.join(_TEMP_TAGS)})-\d+-[0-9a-f]+$")
+    temp = re.compile(rf"^\.{re.escape(prefix)}-\d+_\d+\.(?:{'|'.join(TEMP_TAGS)})-\d+-[0-9a-f]+$")
     cutoff = time.time() - stale_temp_seconds
     for path in sorted(directory.iterdir()) if directory.is_dir() else []:
-        if temp.match(path.name) and path.is_dir() and _stale(path, cutoff) and _remove(path):
+        if temp.match(path.name) and path.is_dir() and _stale(path, cutoff) and io.remove(path):
             deleted.append(path)
     return deleted

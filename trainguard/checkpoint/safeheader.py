@@ -2,8 +2,9 @@
 
 `check_header` validates a file's header (its length, JSON, every tensor's dtype, shape and data
 span, no overlaps, string metadata) before the safetensors parser sees a byte, so a hostile or
-damaged file is refused with its name and the reason. Every such refusal says to fall back to an
-earlier checkpoint; `problem` gives the reason alone, for messages that list several files.
+damaged file is refused with its name and the reason. Such a refusal is a `CorruptFile`: a
+CheckpointCorrupt whose message says to fall back to an earlier checkpoint, and whose `path` and
+`reason` fields let a report (verify, a list of files tried) name the file without parsing text.
 """
 
 from __future__ import annotations
@@ -33,13 +34,25 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 DTYPE_NAMES = {dt: name for name, (dt, _) in DTYPES.items()}
 
 
-def corrupt(path: Path, what: str) -> CheckpointCorrupt:
-    return CheckpointCorrupt(f"{path}: {what}; {FALLBACK}")
+class CorruptFile(CheckpointCorrupt):
+    """One file of a checkpoint is damaged: `path`, `reason` (what is wrong, no advice) and
+    `advice` (what to do) as fields; the message is ``{path}: {reason}; {advice}``."""
+
+    def __init__(self, path: Path, reason: str, advice: str = FALLBACK):
+        super().__init__(f"{path}: {reason}" + (f"; {advice}" if advice else ""))
+        self.path, self.reason, self.advice = Path(path), reason, advice
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason, self.advice)
+
+    @property
+    def problem(self) -> str:
+        """The file and what is wrong with it, for messages that list several files."""
+        return f"{self.path}: {self.reason}"
 
 
-def problem(exc: Exception) -> str:
-    """What a `corrupt` error says, without the advice to fall back."""
-    return str(exc).removesuffix(f"; {FALLBACK}")
+def corrupt(path: Path, what: str) -> CorruptFile:
+    return CorruptFile(path, what)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

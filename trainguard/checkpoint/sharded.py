@@ -33,20 +33,18 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from . import io
 from .codec import flatten_state
-from .format import _remove, commit_checkpoint, new_manifest, temp_folder, write_shard
-from .safeheader import dtype_name
+from .format import commit_checkpoint, temp_folder, write_shard
+from .groupinfo import group_info_file, write_group_info
 from .layout import CheckpointLayout, Piece, Slice, TensorLayout, check_cover, group_pieces, is_dtensor, \
     local_slice, mesh_info, replica_groups
-from .replicas import group_info_file, write_group_info
+from .manifest import new_manifest, rank_file
+from .safeheader import dtype_name
 
 log = logging.getLogger("trainguard.checkpoint")
 
 INTEGRATED_FILE = "full.safetensors"
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank}.safetensors"
 
 
 class _Comm:
@@ -186,7 +184,7 @@ def save_sharded(folder: str | Path, state: Any, *, step: int, epoch: int = 0, i
     rows = comm.all_gather([int(error is None), *written])
     if bad := _failed(rows):
         if comm.rank == 0:
-            _remove(tmp)
+            io.remove(tmp)
         raise error or CheckpointError(f"cannot save {folder}: rank(s) {bad} could not write their files; see "
                                        "their logs for the file and the cause")
 
