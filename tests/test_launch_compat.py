@@ -1,15 +1,18 @@
 """The same unchanged script under every launcher users already have: torchrun, mpirun, and by hand.
 
 examples/allgather.py gathers each rank's id; every rank must print [[0.0], [1.0]].
-Under torchrun and mpirun there is no scheduler process: rank 0 hosts it in-process. torchrun
-publishes its port through torchrun's own store; mpirun uses TG_SCHED_PORT (default 8118).
+Under torchrun and mpirun rank 0 starts the scheduler as a child process and restarts it if it
+dies. Under torchrun it binds port 0 and rank 0 publishes the port through torchrun's own store;
+mpirun uses TG_SCHED_PORT (default 8118).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from harness import FAST, JOB, assert_identical, finals, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "examples" / "allgather.py")
@@ -129,3 +134,85 @@ def test_hand_launch_scheduler_started_last(names: str) -> None:
     for i in (0, 1):
         assert gathered_lines(outs[f"worker {i}"]) == [GATHER], outs[f"worker {i}"]
     assert gathered_lines(outs["scheduler"]) == [], outs["scheduler"]
+
+
+# --- the scheduler child of rank 0 ---------------------------------------------------------------
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name: [state, ppid, ...] (psutil is not installed); None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+
+
+def torchrun_job(out: Path) -> tuple[list[str], dict[str, str]]:
+    cmd = [*torchrun_cmd(), "--standalone", "--nproc-per-node", "2", str(JOB), "--out", str(out / "final"),
+           "--epochs", "2", "--step-sleep", "0.2"]
+    return cmd, clean_env(**FAST, TG_ENABLE_RECOVERY="1", TG_RECOVERY_PATH=str(out / "recovery"))
+
+
+def events(out: Path) -> list[dict]:
+    """The event log so far; a line being written is left for the next look."""
+    path = out / "recovery" / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    found = []
+    for line in lines:
+        try:
+            found.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return found
+
+
+def training_for(out: Path, seconds: float) -> bool:
+    """Both ranks have trained for `seconds` (since their restore at step 0), or are past step 4."""
+    found = events(out)
+    if any(e["event"] == "step_finished" and e.get("step", 0) >= 4 for e in found):
+        return True
+    starts = [e["ts"] for e in found if e["event"] == "restored"]
+    return len(starts) >= 2 and time.time() > max(starts) + seconds
+
+
+def scheduler_starts(out: Path) -> list[dict]:
+    return [e for e in events(out) if e["event"] == "scheduler_started"]
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_scheduler_child_killed_mid_run_is_restarted_bit_identically(tmp_path: Path) -> None:
+    """The scheduler is a child process of rank 0; kill -9 of it mid-run: rank 0 restarts it on the same
+    port, it reloads cluster.db, the workers reconnect, and the final states equal an uninterrupted run's."""
+    base, hit = tmp_path / "base", tmp_path / "kill"
+    cmd, env = torchrun_job(base)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [started] = scheduler_starts(base)
+    assert proc_stat(started["pid"]) is None, "the scheduler must end with the job"
+
+    cmd, env = torchrun_job(hit)
+    log = open(tmp_path / "kill.log", "w")
+    job = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: training_for(hit, 1.0), 60, "1 s of training")
+        [first] = scheduler_starts(hit)
+        pid, port = first["pid"], first["port"]
+        stat = proc_stat(pid)
+        assert stat is not None and stat[0] != "Z", "the scheduler is not running"
+        rank0 = Path(f"/proc/{stat[1]}/cmdline").read_bytes().split(b"\0")
+        assert str(JOB).encode() in rank0, f"the scheduler's parent is not a worker: {rank0}"
+        assert not any(e["event"] == "finished" for e in events(hit)), "the kill must land mid-run"
+        os.kill(pid, signal.SIGKILL)
+        restarted = wait_for(lambda: scheduler_starts(hit)[1:], 30, "the restarted scheduler")[0]
+        assert job.wait(120) == 0, (tmp_path / "kill.log").read_text()
+    finally:
+        job.kill()
+        job.wait(10)
+        log.close()
+    text = (tmp_path / "kill.log").read_text()
+    assert restarted["resumed"] and restarted["port"] == port and restarted["pid"] != pid, restarted
+    assert f"the scheduler (pid {pid}) was killed by signal SIGKILL" in text and "restart 1/3 within 3600 s" in text, text
+    assert proc_stat(restarted["pid"]) is None, "the restarted scheduler must end with the job"
+    assert sum(e["event"] == "finished" for e in events(hit)) == 2
+    for r, (a, b) in enumerate(zip(finals(base, 2), finals(hit, 2))):
+        assert_identical(a, b, f"rank {r}")

@@ -75,8 +75,8 @@ class Role(enum.Enum):
 
 class LaunchMode(enum.Enum):
     DYNAMIC = "dynamic"  # TG_ROLE / MS_ROLE: one scheduler process plus N workers
-    TORCHRUN = "torchrun"  # RANK/WORLD_SIZE: rank 0 hosts the scheduler in-process
-    MPI = "mpi"  # OMPI_COMM_WORLD_*: rank 0 hosts the scheduler in-process
+    TORCHRUN = "torchrun"  # RANK/WORLD_SIZE: rank 0 starts the scheduler as its child process
+    MPI = "mpi"  # OMPI_COMM_WORLD_*: rank 0 starts the scheduler as its child process
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,7 +98,7 @@ class ClusterConfig:
     local_rank: int | None = None
     flap_limit: int = DEFAULT_FLAP_LIMIT
     quarantine_s: float = DEFAULT_QUARANTINE_S
-    embedded_scheduler: bool = False  # this worker process also hosts the scheduler
+    embedded_scheduler: bool = False  # this worker process starts (and supervises) the scheduler process
     grace_period: float = DEFAULT_GRACE_PERIOD_S
     recover_strategy: RecoverStrategy = parse_strategy(DEFAULT_STRATEGY)
 

@@ -26,6 +26,7 @@ from .db import ClusterDB
 from .elastic import ElasticScheduling
 from .kvstore import KVStore
 from .placement import PlacementPolicy
+from .sched_child import die_with_parent, publish_port
 from .sched_rendezvous import RendezvousRequests
 
 log = logging.getLogger("trainguard.scheduler")
@@ -38,8 +39,9 @@ LINGER_MAX_S = 2.0  # a failed job's scheduler answers its survivors this long a
 class Scheduler(RendezvousRequests):
     """Membership, fencing and the job's end; the rendezvous requests are in sched_rendezvous.py."""
 
-    def __init__(self, cfg: ClusterConfig):
+    def __init__(self, cfg: ClusterConfig, *, port_fd: int | None = None):
         self.cfg = cfg
+        self.port_fd = port_fd  # the bound port is written there (a child of torchrun's rank 0 binds port 0)
         self.db: ClusterDB | None = None
         self.events = EventLog.null()
         cluster = None
@@ -92,6 +94,8 @@ class Scheduler(RendezvousRequests):
                 "(MS_SCHED_PORT) to another port"
             ) from None
         self.port = server.sockets[0].getsockname()[1]
+        if self.port_fd is not None:
+            publish_port(self.port_fd, self.port)
         verb = "resumed" if self.resumed else "started"
         log.info("scheduler %s on %s:%d for %d workers (generation %d)", verb, self.cfg.sched_host, self.port,
                  self.cluster.worker_num, self.cluster.generation)
@@ -161,7 +165,7 @@ class Scheduler(RendezvousRequests):
 
     def _kill_if_local(self, node: m.Node) -> None:
         """A hung (e.g. SIGSTOPped) worker on this host is killed so its peers' collectives fail fast."""
-        if node.host != this_host() or node.pid <= 0 or node.pid == os.getpid():
+        if node.host != this_host() or node.pid <= 0:
             return
         try:
             os.kill(node.pid, signal.SIGKILL)
@@ -350,19 +354,23 @@ class Scheduler(RendezvousRequests):
         return self.agents.place(req, time.monotonic(), over.message if over else "")
 
 
-def run_scheduler(cfg: ClusterConfig) -> int:
-    """Run the scheduler in this process until the job ends; the exit code says how it ended."""
+def run_scheduler(cfg: ClusterConfig, *, port_fd: int | None = None, parent_pid: int | None = None) -> int:
+    """Run the scheduler in this process until the job ends; the exit code says how it ended.
+    `port_fd`: write the bound port there; `parent_pid`: end when that process dies (sched_child.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s",
                         stream=sys.stderr)
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     try:
-        return asyncio.run(Scheduler(cfg).serve())
+        return asyncio.run(Scheduler(cfg, port_fd=port_fd).serve())
     except (ConfigError, ClusterStateError) as exc:  # refused at start: one clear line, no traceback
         print(f"trainguard scheduler: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
 
 
 def start_in_thread(cfg: ClusterConfig) -> tuple[Scheduler, threading.Thread]:
-    """Host the scheduler inside a worker process (torchrun/mpirun rank 0); returns once it listens."""
+    """The scheduler in a thread of this process, for tests; returns once it listens. (Under torchrun and
+    mpirun rank 0 runs it as a child process: sched_child.py.)"""
     sched = Scheduler(cfg)
     errors: list[BaseException] = []
 
