@@ -251,7 +251,7 @@ def test_scheduler_verdicts_are_not_restarted(tmp_path: Path, code: int) -> None
     rc, _, err = _finish(_agent(tmp_path, script, scheduler=sched, max_restarts=3))
     assert rc == code and "restarting" not in err
     summary = err[err.index("trainguard: "):]
-    assert f"scheduler (pid " in summary and summary.rstrip().endswith("job failed: worker 1")
+    assert "scheduler (pid " in summary and summary.rstrip().endswith("job failed: worker 1")
 
 
 def _read_until(proc: subprocess.Popen, wanted: set[str], timeout: float = 10.0) -> list[str]:

@@ -126,8 +126,10 @@ def test_decide_exit_follows_the_strategy():
 
 def test_agent_exit_codes():
     assert ended_exit(False, [], None, 0) == (0, "")
-    code, msg = ended_exit(True, [], None, 0)
-    assert code == EXIT_PREEMPTED and "run the same command again" in msg
+    code, msg = ended_exit(True, [], None, 0, saved=True)
+    assert code == EXIT_PREEMPTED and "run the same command again to resume" in msg
+    code, msg = ended_exit(True, [], None, 0, saved=False)
+    assert code == EXIT_PREEMPTED and "starts over" in msg and "to resume" not in msg
     stop = Failure("worker 0", 10, EXIT_FAULT_STOP, ("stopping (recover strategy exit): step 5: gloo",))
     code, msg = ended_exit(False, [stop], None, 0)
     assert code == EXIT_FAULT_STOP and "step 5: gloo" in msg
@@ -241,7 +243,7 @@ def test_job_file_fills_flags_and_flags_win(tmp_path):
     assert spec.max_restarts == 1 and spec.grace_s == 7.5  # the flag wins over the file
     assert str(spec.recover_strategy) == "retry,recover-in-place" and spec.recover_strategy.max_retries == 4
     spec = cli.resolve_run(_args([str(script)]), {"TG_RECOVER_STRATEGY": "retry,exit", "TG_GRACE_PERIOD": "4"})
-    assert str(spec.recover_strategy) == "retry,exit" and spec.grace_s == 4.0 and spec.max_restarts == 3
+    assert str(spec.recover_strategy) == "retry,exit" and spec.grace_s == 4.0 and spec.max_restarts == 32767
 
 
 @pytest.mark.parametrize("text, expected", [

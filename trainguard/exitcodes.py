@@ -8,6 +8,9 @@
                            sysexits.h: run the same command again to resume from that checkpoint
     76   EXIT_FAULT_STOP   a worker stopped because the job stops after a fault (strategy exit or dump, or
                            restarts used up); it is a consequence, never the root cause
+    78   EXIT_CONFIG_ERROR a worker's script raised a deterministic error (SyntaxError, ImportError,
+                           trainguard.ConfigError; launch/worker_main.py), which a restart would only raise
+                           again: the agent ends the job at once. It is EX_CONFIG of sysexits.h
 
 The launcher exits with EXIT_PREEMPTED when its workers did, and otherwise with the root
 cause's own exit code (1 for a signal) or 128 + N when signal N stopped it.
@@ -17,3 +20,4 @@ EXIT_CONFIG = 2
 EXIT_JOB_FAILED = 3
 EXIT_PREEMPTED = 75
 EXIT_FAULT_STOP = 76
+EXIT_CONFIG_ERROR = 78  # EX_CONFIG: a deterministic error in a worker's script; never restarted

@@ -2,9 +2,11 @@
 
 It starts the workers (and, at node rank 0, the scheduler), waits on each with waitpid in a
 thread (so exits are seen at once and in the order they happened), reports each death to
-the scheduler at once, and restarts it while this agent's restart budget lasts and the recover
-strategy replaces dead workers: in place, or under `recover` on another host's agent
-(relocate.py). A worker that dies after its goodbye is not restarted. It forwards
+the scheduler at once, and restarts it while this agent's restart budget lasts (budget.py: a total
+cap, and a rate per child that ends a crash loop) and the recover strategy replaces dead workers: in
+place, or under `recover` on another host's agent (relocate.py). A worker that dies after its
+goodbye is not restarted, nor one whose script raised a deterministic error (exit 78,
+worker_main.py, every worker's entry point): that ends the job at once. It forwards
 SIGINT/SIGTERM/SIGUSR1 (workers first, scheduler last; the workers then save a dying-gasp
 checkpoint within the grace period and exit 75, and so does the agent) and prefixes every line
 a child prints (children.py). A restarted worker is, when one is warm, a hot spare that
@@ -29,8 +31,8 @@ from ..errors import ConfigError
 from ..obs.events import EventLog, format_recovery, summarize_recovery
 from .children import Child, _pump
 from .policy import (
-    Action, Decision, Failure, LaunchSpec, decide_exit, ended_exit, exit_code_for, failure_summary, scheduler_env,
-    signal_name, signalled_exit, spare_env, worker_env,
+    Action, Decision, Failure, LaunchSpec, decide_exit, ended_exit, failure_summary, job_exit_code, scheduler_env,
+    signal_name, signalled_exit, spare_env, worker_cmd, worker_env,
 )
 from .relocate import Relocation
 from .spares import SparePool, activate
@@ -63,9 +65,8 @@ class Supervisor(Relocation):
             cmd = list(scheduler_cmd or [sys.executable, "-m", "trainguard", "scheduler"])
             self.children.append(Child(Role.SCHEDULER, 0, None, cmd, scheduler_env(base, spec)))
         for i in range(spec.nproc_per_node):
-            self.children.append(Child(
-                Role.WORKER, i, str(spec.node_rank * spec.nproc_per_node + i),
-                [sys.executable, "-u", spec.script, *spec.script_args], worker_env(base, spec, i)))
+            self.children.append(Child(Role.WORKER, i, str(spec.node_rank * spec.nproc_per_node + i), worker_cmd(spec),
+                                       worker_env(base, spec, i)))
         self.spares: SparePool | None = None
         if spec.uses_hot_spares:
             self.spares = SparePool(spec.script, spare_env(base, spec), spec.hot_spares, say=self._say)
@@ -96,7 +97,8 @@ class Supervisor(Relocation):
             spares = spec.hot_spares if self.spares else 0
             self._say(f"{'starting' if spec.hosts_scheduler else 'using'} scheduler at {spec.sched_host}:{spec.sched_port}; "
                       f"{spec.nproc_per_node} worker{'s' * (spec.nproc_per_node != 1)} on node rank {spec.node_rank} of {spec.nnodes}; "
-                      f"max restarts {spec.max_restarts}; {spares} hot spare{'s' * (spares != 1)}; "
+                      f"max restarts {spec.max_restarts} ({spec.restart_rate.describe()}); "
+                      f"{spares} hot spare{'s' * (spares != 1)}; "
                       f"recover strategy {spec.recover_strategy}; grace period {spec.grace_s:g} s; "
                       f"recovery path {spec.recovery_path}")
             if spec.log_dir is not None:
@@ -146,15 +148,25 @@ class Supervisor(Relocation):
                 return self._final_code()
 
     def _final_code(self) -> int:
-        code, message = ended_exit(self.preempted, self.fault_stops, self.root, self.restarts_used)
+        code, message = ended_exit(self.preempted, self.fault_stops, self.root, self.restarts_used,
+                                   self._gasp_saved())
         if code == 0 and self.link is not None and self.link.job == "failed":  # failed on another host
             code, message = 1, f"trainguard: the job failed: {self.link.root_cause}"
         if message:
             print(message, file=self.err, flush=True)
         return code
 
+    def _gasp_saved(self) -> bool | None:
+        """Did the workers that stopped gracefully save a dying-gasp checkpoint (their events say)?"""
+        path = self.spec.recovery_path / "events.jsonl" if self.spec.recovery_path else None
+        if path is None or not path.is_file():
+            return None
+        stops = [e for e in EventLog.read(path) if e.get("event") == "graceful_exit"]
+        return any(e.get("saved") for e in stops) if stops else None
+
     def _signalled_code(self, signum: int) -> int:
-        code, message = signalled_exit([w.popen.returncode for w in self.workers if w.popen is not None], signum)
+        code, message = signalled_exit([w.popen.returncode for w in self.workers if w.popen is not None], signum,
+                                       self._gasp_saved())
         if message:
             print(message, file=self.err, flush=True)
         return code
@@ -164,7 +176,8 @@ class Supervisor(Relocation):
         if child.done and child.role is Role.WORKER:  # ended by us: an elastic latecomer (_end_latecomers)
             return None
         decision = decide_exit(child.role, rc, self.restarts_used, self.spec.max_restarts, self.spec.recover_strategy,
-                               stopping=self.preempted)
+                               stopping=self.preempted, rate=self.spec.restart_rate, restarts=child.restart_times,
+                               now=time.monotonic())
         if decision.action is Action.FINISHED:
             child.done = True
             if child.role is Role.SCHEDULER and self.spec.recover_strategy.elastic:
@@ -185,7 +198,8 @@ class Supervisor(Relocation):
         self.root = self.root or failure
         self._say(failure.describe())
         if decision.action is Action.LEFT_OUT and not any(w.alive() for w in self.workers if w is not child):
-            decision = Decision(Action.GIVE_UP, f"{decision.reason}, but no other worker is left here")
+            decision = Decision(Action.GIVE_UP, f"{decision.reason}, but no other worker is left here",
+                                decision.crash_loop)
         if child.role is Role.WORKER:
             over = self._report(child, failure, final=decision.action in (Action.GIVE_UP, Action.LEFT_OUT))
             if over and decision.action is Action.RESTART:  # killed after its goodbye: nothing to redo
@@ -199,6 +213,7 @@ class Supervisor(Relocation):
         if decision.action is Action.RESTART:
             self.restarts_used += 1
             child.restarts += 1
+            child.restart_times.append(time.monotonic())
             self._kill([child])  # leftovers of the dead process's group
             where = self._place(child, failure) if self.link is not None and child.role is Role.WORKER else "here"
             if where == "here":
@@ -207,12 +222,13 @@ class Supervisor(Relocation):
             if where == "moved":
                 return None
             self.restarts_used -= 1  # nothing was restarted
+            child.restart_times.pop()
             decision = Decision(Action.GIVE_UP, where)
         self._say(f"stopping the job: {decision.reason}")
         self._stop(signal.SIGTERM)
-        print(failure_summary(self.root, self.restarts_used, failure, self.spec.max_restarts), file=self.err,
-              flush=True)
-        return exit_code_for(self.root.returncode)
+        print(failure_summary(self.root, self.restarts_used, failure, self.spec.max_restarts,
+                              crash_loop=decision.reason if decision.crash_loop else ""), file=self.err, flush=True)
+        return job_exit_code(self.root, failure)
 
     def _end_latecomers(self) -> None:
         """Elastic: the job ended (the scheduler exited 0) while a dead worker's replacement was still on its
@@ -351,8 +367,7 @@ class Supervisor(Relocation):
         env = worker_env(self._base, self.spec, index, node_id=node_id)
         child = next((w for w in self.workers if w.node_id == node_id), None)
         if child is None:
-            child = Child(Role.WORKER, index, node_id, [sys.executable, "-u", self.spec.script,
-                                                        *self.spec.script_args], env)
+            child = Child(Role.WORKER, index, node_id, worker_cmd(self.spec), env)
             self.children.append(child)
         elif not child.alive():
             child.index, child.env = index, env
@@ -392,11 +407,13 @@ class Supervisor(Relocation):
         return over
 
     def _print_recoveries(self) -> None:
-        """One line per recovery of this job, with its MTTR and lost steps (from events.jsonl)."""
+        """One line per recovery of this job that resumed training, with its MTTR and lost steps (from
+        events.jsonl). A failure nothing resumed from is the final message's business, not a recovery."""
         path = self.spec.recovery_path / "events.jsonl" if self.spec.recovery_path else None
         if path is None or not path.is_file() or not self.spec.hosts_scheduler:
             return
-        for i, rec in enumerate(summarize_recovery(EventLog.read(path)), 1):
+        resumed = [rec for rec in summarize_recovery(EventLog.read(path)) if rec["to_step"] is not None]
+        for i, rec in enumerate(resumed, 1):
             print(format_recovery(i, rec), file=self.out, flush=True)
 
     def _say(self, message: str) -> None:

@@ -24,6 +24,7 @@ class Child:
     env: dict[str, str]
     popen: subprocess.Popen | None = None
     restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)  # monotonic; for the crash-loop rate (budget.py)
     done: bool = False  # exited 0 (or moved to another host): never polled again
     placing: bool = False  # recover: dead, its new host not yet decided (not reported as running here)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))

@@ -24,6 +24,7 @@ from ..config import (
 from ..errors import CheckpointError, ConfigError
 from . import chaos
 from .agent import Supervisor
+from .budget import restart_rate
 from .jobfile import merge_job_file, resolve_strategy
 from .policy import EXIT_CONFIG, LaunchSpec, set_env
 from .relocate import placement_policy
@@ -38,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     sched = sub.add_parser("scheduler", help="run the job's scheduler in this process",
                            description="Run the scheduler; flags override TG_*/MS_* environment variables.")
     sched.add_argument("--host", help="address to serve on (TG_SCHED_HOST)")
-    sched.add_argument("--port", type=int, help="TCP port (TG_SCHED_PORT)")
+    sched.add_argument("--port", type=int, help="TCP port (TG_SCHED_PORT); 0: the OS picks one (needs --port-fd)")
     sched.add_argument("--workers", type=int, help="total number of workers in the job (TG_WORKER_NUM)")
+    sched.add_argument("--port-fd", type=int, help="write the port it listens on, as a line, to this inherited fd")
+    sched.add_argument("--parent-pid", type=int, help="end when this process (the one that started it) dies")
     sched.set_defaults(handler=_scheduler)
 
     run = sub.add_parser("run", help="start and supervise this host's workers (and the scheduler on node rank 0)")
@@ -53,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sched-port", "--master-port", "--master_port", dest="sched_port", type=int,
                      help="scheduler port (default TG_SCHED_PORT, else a free port; required with --nnodes > 1)")
     run.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-                     help="restarts allowed for the whole job; 0 turns recovery off (default 3)")
+                     help="restarts allowed for the whole job on this host; 0 turns recovery off (default 32767)")
+    run.add_argument("--restart-limit", dest="restart_limit", type=int,
+                     help="a crash loop ends the job: one worker may be restarted at most this many times within "
+                          "--restart-window (default TG_RESTART_LIMIT, else 3)")
+    run.add_argument("--restart-window", dest="restart_window", type=float,
+                     help="seconds (default TG_RESTART_WINDOW, else 3600)")
     run.add_argument("--hot-spares", "--hot_spares", dest="hot_spares", type=int,
                      help="warm processes (torch already imported) kept to replace a dead worker in well "
                           "under a second; 0 turns them off (default 1 with restarts on, else 0)")
@@ -118,15 +126,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _scheduler(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     set_env(env, ROLE_ENV, Role.SCHEDULER.value)
-    for names, value in ((SCHED_HOST_ENV, args.host), (SCHED_PORT_ENV, args.port), (WORKER_NUM_ENV, args.workers)):
+    any_port = args.port == 0  # the environment may not say 0 (workers could not find it); --port-fd tells it
+    if any_port and args.port_fd is None:
+        raise ConfigError("--port 0 lets the OS pick the port; give --port-fd too, so the workers can learn it")
+    port = 1 if any_port else args.port  # 1 passes validation and is replaced by 0 below
+    for names, value in ((SCHED_HOST_ENV, args.host), (SCHED_PORT_ENV, port), (WORKER_NUM_ENV, args.workers)):
         if value is not None:
             set_env(env, names, str(value))
     cfg = from_env(env)
+    if any_port:
+        cfg = replace(cfg, sched_port=0)
     if cfg.enable_recovery and cfg.recovery_path is not None:
         check_recovery_path(cfg.recovery_path)
     from ..cluster.scheduler import run_scheduler  # lazy: the agent must import without it
 
-    return run_scheduler(cfg)
+    return run_scheduler(cfg, port_fd=args.port_fd, parent_pid=args.parent_pid)
 
 
 # --- ckpt -------------------------------------------------------------------------------
@@ -165,7 +179,8 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
     strategy, grace = resolve_strategy(args, env)
     spec = LaunchSpec(script=args.script, script_args=tuple(args.script_args), nproc_per_node=args.workers,
                       nnodes=args.nnodes, node_rank=args.node_rank, sched_port=args.sched_port or 0,
-                      max_restarts=args.max_restarts, hot_spares=_hot_spares(args), recover_strategy=strategy,
+                      max_restarts=args.max_restarts, restart_rate=restart_rate(args, env),
+                      hot_spares=_hot_spares(args), recover_strategy=strategy,
                       grace_s=grace, slots=args.slots or 0, placement=placement_policy(args, env))
     if not Path(args.script).is_file():
         raise ConfigError(f"script {args.script!r} not found")

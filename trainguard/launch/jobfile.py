@@ -3,7 +3,9 @@
     script: train.py
     script_args: [--epochs, "10"]
     workers: 4
-    max_restarts: 5
+    max_restarts: 100                                  # the whole job on this host (default 32767)
+    restart_limit: 3                                   # one worker: at most 3 restarts ...
+    restart_window: 3600                               # ... within an hour, else a crash loop ends the job
     recover_strategy: retry,recover-in-place,dump     # or a list: [retry, recover-in-place, dump]
     max_retries: 3
     grace_period: 30                                   # seconds from SIGTERM to SIGKILL
@@ -33,9 +35,10 @@ from ..errors import ConfigError
 from ..recovery.strategies import (
     DEFAULT_ELASTIC_DEADLINE_S, DEFAULT_MAX_RETRIES, RecoverStrategy, parse_strategy, require_implemented,
 )
+from .budget import DEFAULT_MAX_RESTARTS
 
 # the defaults of `trainguard run` flags that a job file may set (argparse leaves them None)
-RUN_DEFAULTS = {"workers": 1, "nnodes": 1, "node_rank": 0, "max_restarts": 3}
+RUN_DEFAULTS = {"workers": 1, "nnodes": 1, "node_rank": 0, "max_restarts": DEFAULT_MAX_RESTARTS}
 
 
 class JobFile(BaseModel):
@@ -49,6 +52,8 @@ class JobFile(BaseModel):
     sched_host: str | None = Field(None, validation_alias=AliasChoices("sched_host", "master_addr"))
     sched_port: int | None = Field(None, ge=1, le=65535, validation_alias=AliasChoices("sched_port", "master_port"))
     max_restarts: int | None = Field(None, ge=0)
+    restart_limit: int | None = Field(None, ge=1)  # a crash loop: restarts of one worker within restart_window
+    restart_window: float | None = Field(None, gt=0)
     hot_spares: int | None = Field(None, ge=0)
     recovery_path: Path | None = None
     log_dir: Path | None = None

@@ -1,17 +1,19 @@
 """What the agent decides and what it starts its children with: pure functions and data.
 
-`decide_exit` maps one child's exit to an `Action`; `failure_summary` words the job's root
-cause; `LaunchSpec` is one agent's validated job description; the `*_env` builders give each
-child (scheduler, worker, hot spare) its environment. `Supervisor` (agent.py) carries these out.
+`decide_exit` maps one child's exit to an `Action`: a deterministic error (exit 78, worker_main.py)
+and a crash loop (budget.py) end the job; `failure_summary` words the job's root cause;
+`LaunchSpec` is one agent's validated job description; `worker_cmd` and the `*_env` builders give
+each child (scheduler, worker, hot spare) its command and environment. `Supervisor` (agent.py)
+carries these out.
 """
 
 from __future__ import annotations
 
 import enum
-import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ..config import (
     DEFAULT_GRACE_PERIOD_S, ELASTIC_DEADLINE_ENV, ENABLE_RECOVERY_ENV, GRACE_PERIOD_ENV, LOCAL_RANK_ENV,
@@ -19,14 +21,18 @@ from ..config import (
     TORCHRUN_LOCAL_RANK, WORKER_NUM_ENV, Role,
 )
 from ..errors import ConfigError
-from ..exitcodes import EXIT_CONFIG, EXIT_FAULT_STOP, EXIT_JOB_FAILED, EXIT_PREEMPTED
+from ..exitcodes import EXIT_CONFIG, EXIT_CONFIG_ERROR, EXIT_FAULT_STOP, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..cluster.placement import PlacementPolicy
 from ..recovery.strategies import DEFAULT_STRATEGY, RecoverStrategy, parse_strategy
+from ..signals import signal_name
+from .budget import CRASH_LOOP_ADVICE, DEFAULT_MAX_RESTARTS, RestartRate
+from .worker_main import deterministic_error
 
 DEFAULT_GRACE_S = DEFAULT_GRACE_PERIOD_S  # one setting: --grace-period, TG_GRACE_PERIOD
 DEFAULT_SCHED_EXIT_WAIT_S = 15.0
 # EXIT_CONFIG: a scheduler exiting 2 rejected its config; EXIT_JOB_FAILED: it ended the job as failed (root
-# cause on its stderr). Neither is restarted. EXIT_PREEMPTED, EXIT_FAULT_STOP: see exitcodes.py.
+# cause on its stderr). Neither is restarted. EXIT_CONFIG_ERROR: a worker's script raised a deterministic error
+# (worker_main.py); it is not restarted either. EXIT_PREEMPTED, EXIT_FAULT_STOP: see exitcodes.py.
 
 
 # --- decisions (pure) ------------------------------------------------------------
@@ -45,15 +51,20 @@ class Action(enum.Enum):
 class Decision:
     action: Action
     reason: str
+    crash_loop: bool = False  # GIVE_UP or LEFT_OUT because the child's restart rate is used up
 
 
 _DEFAULT_STRATEGY = parse_strategy(DEFAULT_STRATEGY)
+_DEFAULT_RATE = RestartRate()
 
 
 def decide_exit(role: Role, returncode: int, restarts_used: int, max_restarts: int,
-                strategy: RecoverStrategy = _DEFAULT_STRATEGY, *, stopping: bool = False) -> Decision:
+                strategy: RecoverStrategy = _DEFAULT_STRATEGY, *, stopping: bool = False,
+                rate: RestartRate = _DEFAULT_RATE, restarts: Sequence[float] = (), now: float = 0.0) -> Decision:
     """What to do when a child exits; `returncode` < 0 means killed by signal -returncode.
-    `stopping`: the job is already ending (a graceful exit began), so nothing is restarted."""
+    `restarts_used` of `max_restarts` counts the whole job on this host; `restarts` are the times (monotonic,
+    as `now`) this child was restarted, for `rate`. `stopping`: the job is already ending (a graceful exit
+    began), so nothing is restarted."""
     if returncode == 0:
         return Decision(Action.FINISHED, "exited with code 0")
     if role is Role.SCHEDULER and returncode == EXIT_CONFIG:
@@ -63,27 +74,24 @@ def decide_exit(role: Role, returncode: int, restarts_used: int, max_restarts: i
     if role is Role.SCHEDULER and returncode == EXIT_PREEMPTED:
         return Decision(Action.FINISHED, "the scheduler ended the job as stopped")
     if role is Role.WORKER and returncode == EXIT_PREEMPTED:
-        return Decision(Action.PREEMPTED, "stopped gracefully; run the same command again to resume")
+        return Decision(Action.PREEMPTED, "stopped gracefully")
     if role is Role.WORKER and returncode == EXIT_FAULT_STOP:
         return Decision(Action.STOPPED, "stopped because the job stops after a fault")
     if stopping:
         return Decision(Action.STOPPED, "the job is stopping; no restart")
+    if role is Role.WORKER and returncode == EXIT_CONFIG_ERROR:  # under any strategy: it would fail again
+        return Decision(Action.GIVE_UP, "a deterministic error (exit code 78): a restart would fail the same way")
     if role is Role.WORKER and not strategy.restarts:
         return Decision(Action.GIVE_UP, f"the recover strategy is {strategy}: a dead worker is not replaced")
-    if restarts_used < max_restarts:
-        return Decision(Action.RESTART, f"restart {restarts_used + 1}/{max_restarts}")
     if max_restarts == 0:
         return Decision(Action.GIVE_UP, "restarts are off (--max-restarts 0)")
+    loop = rate.crash_loop(restarts, now)
+    if restarts_used < max_restarts and not loop:
+        return Decision(Action.RESTART, f"restart {restarts_used + 1}/{max_restarts}")
+    why = loop or f"all {max_restarts} restarts are used"
     if role is Role.WORKER and strategy.elastic:
-        return Decision(Action.LEFT_OUT, f"all {max_restarts} restarts are used; elastic: the job goes on without it")
-    return Decision(Action.GIVE_UP, f"all {max_restarts} restarts are used")
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+        return Decision(Action.LEFT_OUT, f"{why}; elastic: the job goes on without it", bool(loop))
+    return Decision(Action.GIVE_UP, why, bool(loop))
 
 
 def describe_exit(name: str, pid: int, returncode: int) -> str:
@@ -95,6 +103,13 @@ def describe_exit(name: str, pid: int, returncode: int) -> str:
 def exit_code_for(returncode: int) -> int:
     """The agent's exit code for a failed job: the child's own code if > 0, else 1."""
     return returncode if returncode > 0 else 1
+
+
+def job_exit_code(root: Failure, last: Failure) -> int:
+    """The agent's exit code when `last` ended the job: 78 if it was a deterministic error, else the root cause's."""
+    if last.role is Role.WORKER and last.returncode == EXIT_CONFIG_ERROR:
+        return EXIT_CONFIG_ERROR
+    return exit_code_for(root.returncode)
 
 
 def signal_exit_code(signum: int) -> int:
@@ -116,17 +131,31 @@ class Failure:
 
 
 def failure_summary(root: Failure, restarts_used: int, last: Failure | None = None,
-                    max_restarts: int | None = None) -> str:
+                    max_restarts: int | None = None, *, crash_loop: str = "") -> str:
     """The one message printed when the job fails for good: the restarts used (of the job-wide
-    budget), the root cause (the first failure) and, if another one ended the job, that one."""
-    if root.role is Role.SCHEDULER and root.returncode == EXIT_JOB_FAILED:
+    budget), the root cause (the first failure) and, if another one ended the job, that one.
+    A deterministic error that ended the job comes first, named; `crash_loop`: why `last` (or the
+    root) was not restarted again."""
+    end = last or root
+    deterministic = end.role is Role.WORKER and end.returncode == EXIT_CONFIG_ERROR
+    if deterministic:
+        error = deterministic_error(end.tail)
+        head = (f"trainguard: {end.name} (pid {end.pid}) failed with a deterministic error"
+                + (f": {error}" if error else f" (exit code {EXIT_CONFIG_ERROR})")
+                + "; a restart would fail the same way, so the job ends without one")
+        if end is not root:
+            head += f"\n  first failure: {root.describe()}"
+        root = end
+    elif root.role is Role.SCHEDULER and root.returncode == EXIT_JOB_FAILED:
         head = f"trainguard: the scheduler (pid {root.pid}) ended the job as failed; its last lines give the root cause"
     elif restarts_used:
         plural = "restart" if restarts_used == 1 else "restarts"
         head = f"trainguard: giving up after {restarts_used} {plural}; root cause: {root.describe()}"
     else:
         head = f"trainguard: {root.describe()}"
-    if max_restarts is not None and restarts_used >= max_restarts and not (
+    if crash_loop:
+        head += f"\n  {end.name}: {crash_loop}. {CRASH_LOOP_ADVICE}"
+    elif max_restarts is not None and restarts_used >= max_restarts and not deterministic and not (
             root.role is Role.SCHEDULER and root.returncode == EXIT_JOB_FAILED):
         head += f"\n  max restarts: {restarts_used} of {max_restarts} used (--max-restarts counts the whole job)"
     if last is not None and last is not root:
@@ -137,26 +166,36 @@ def failure_summary(root: Failure, restarts_used: int, last: Failure | None = No
     return "\n".join([head, f"last stderr lines of {root.name}:", *("    " + ln for ln in root.tail)])
 
 
+def resume_advice(saved: bool | None) -> str:
+    """What a rerun does after a graceful stop: `saved` says whether the workers wrote a dying-gasp
+    checkpoint (their `graceful_exit` events), None when that is unknown."""
+    if saved is None:
+        return "run the same command again to resume from its dying-gasp checkpoint, if one is configured"
+    if saved:
+        return "run the same command again to resume from its dying-gasp checkpoint"
+    return ("no dying-gasp checkpoint was saved (none is configured), so running the same command again "
+            "starts over")
+
+
 def ended_exit(preempted: bool, fault_stops: list[Failure], root: Failure | None,
-               restarts_used: int) -> tuple[int, str]:
+               restarts_used: int, saved: bool | None = None) -> tuple[int, str]:
     """Every worker has left: (the agent's exit code, its last message). 75 after a graceful exit; after
     a stop on a fault, the root cause's code (the first worker that stopped if nothing else failed); else 0."""
     if fault_stops and not preempted:
         cause = root or fault_stops[0]
         return exit_code_for(cause.returncode), failure_summary(cause, restarts_used)
     if preempted:
-        return EXIT_PREEMPTED, ("trainguard: the job stopped gracefully (exit code 75) at a commit point; run the "
-                                "same command again to resume from its dying-gasp checkpoint")
+        return EXIT_PREEMPTED, ("trainguard: the job stopped gracefully (exit code 75) at a commit point; "
+                                + resume_advice(saved))
     return 0, ""
 
 
-def signalled_exit(codes: list[int | None], signum: int) -> tuple[int, str]:
+def signalled_exit(codes: list[int | None], signum: int, saved: bool | None = None) -> tuple[int, str]:
     """After the agent forwarded signal `signum`: 75 if the workers left gracefully (75, or 0 when they had
     finished anyway), else 128 + signum."""
     if EXIT_PREEMPTED in codes and all(c in (0, EXIT_PREEMPTED) for c in codes):
         return EXIT_PREEMPTED, (f"trainguard: stopped on {signal_name(signum)}: every worker left at a commit "
-                                "point after its dying-gasp checkpoint (if one is configured); run the same "
-                                "command again to resume")
+                                f"point; {resume_advice(saved)}")
     return signal_exit_code(signum), ""
 
 
@@ -174,7 +213,8 @@ class LaunchSpec:
     node_rank: int = 0
     sched_host: str = "127.0.0.1"
     sched_port: int = 0  # 0 = not chosen yet (the CLI picks a free one)
-    max_restarts: int = 3
+    max_restarts: int = DEFAULT_MAX_RESTARTS  # restarts of this host's children together (budget.py)
+    restart_rate: RestartRate = _DEFAULT_RATE  # and of each one within a window: a crash loop ends the job
     hot_spares: int = 0  # warm processes kept to replace dead workers (the CLI defaults to 1 with restarts on)
     recovery_path: Path | None = None
     log_dir: Path | None = None
@@ -223,6 +263,11 @@ class LaunchSpec:
     @property
     def hosts_scheduler(self) -> bool:
         return self.node_rank == 0
+
+
+def worker_cmd(spec: LaunchSpec) -> list[str]:
+    """A cold-started worker: the script under worker_main, which exits 78 on a deterministic error."""
+    return [sys.executable, "-u", "-m", "trainguard.launch.worker_main", spec.script, *spec.script_args]
 
 
 def set_env(env: dict[str, str], names: str | tuple[str, ...], value: str | None) -> None:

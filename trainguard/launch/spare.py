@@ -6,8 +6,9 @@ At start it imports torch, torch.distributed and trainguard's worker side, then 
 script's own top-level imports (found with `ast`; a failed preload is remembered, never fatal).
 It then writes one byte to FD (if given) and blocks on stdin. EOF or an empty line: the agent
 dismissed it, exit 0. Otherwise the line is `{"env": {...}, "argv": [...]}`: the spare takes that
-environment and those arguments and runs SCRIPT as `python SCRIPT ARGS...` would, exit codes
-and tracebacks included.
+environment and those arguments and runs SCRIPT as a cold-started worker does (worker_main.py):
+as `python SCRIPT ARGS...` would, exit codes and tracebacks included, a deterministic error
+exiting 78.
 
 Modules that live in the script's own directory are not preloaded: they are the user's, and
 may read their rank from the environment at import, which the spare does not have yet.
@@ -21,11 +22,11 @@ import importlib
 import importlib.util
 import json
 import os
-import runpy
 import sys
 import time
 
 from ..config import LOG_LEVEL_ENV
+from .worker_main import run_script, script_path
 
 # torch._dynamo: the first optimizer a process builds imports it (about 1.1 s of a 2 s recovery here)
 WORKER_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
@@ -82,21 +83,14 @@ def preload(script: str, script_dir: str) -> tuple[list[str], list[str]]:
 
 
 def _become(script: str, argv: list[str], env: dict[str, str]) -> None:
-    """Take on the worker's environment and arguments and run the script as its __main__."""
+    """Take on the worker's environment and arguments and run the script as its __main__ (worker_main.py)."""
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [script, *argv]
     devnull = os.open(os.devnull, os.O_RDONLY)  # a fresh worker's stdin is /dev/null too
     os.dup2(devnull, 0)
     os.close(devnull)
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except Exception as exc:  # uncaught in the script: traceback from its own frames on, exit 1
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != script:
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # trainguard.init() chains its hook here
-        raise SystemExit(1) from None
+    run_script(script)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,10 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-fd", type=int, help="write one byte here once warm")
     parser.add_argument("script")
     args = parser.parse_args(argv)
-    script = os.path.abspath(args.script)
+    script = script_path(args.script)  # and its folder first on sys.path, as `python SCRIPT` has it
     script_dir = os.path.dirname(os.path.realpath(script))
-    if not sys.flags.safe_path:  # `python -m` put the cwd first; `python SCRIPT` puts the script's folder
-        sys.path[0] = script_dir
     start = time.monotonic()
     loaded, failures = preload(script, script_dir)
     warm_s = time.monotonic() - start

@@ -1,0 +1,204 @@
+"""A deterministic error (SyntaxError, ImportError, trainguard.ConfigError) in a worker's script ends the
+job at once, naming the error, instead of being restarted as a fault: the classification by type in
+the worker (launch/worker_main.py, exit 78), the agent's decision (policy.py), and real jobs under
+`trainguard run --workers 2`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from trainguard.config import Role
+from trainguard.errors import ConfigError, RecoveryError
+from trainguard.exitcodes import EXIT_CONFIG_ERROR
+from trainguard.launch.policy import Action, Failure, decide_exit, failure_summary, job_exit_code
+from trainguard.launch.worker_main import (
+    DETERMINISTIC_MARK, describe_error, deterministic_error, is_deterministic,
+)
+from trainguard.recovery.strategies import parse_strategy
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER_MAIN = [sys.executable, "-u", "-m", "trainguard.launch.worker_main"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TG_HEARTBEAT_INTERVAL": "0.2",
+            "TG_HEARTBEAT_TIMEOUT": "2", "TG_FAULT": "", **extra}
+
+
+def _script(tmp_path: Path, body: str, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+# --- classification (pure) ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(5)
+def test_deterministic_by_type_never_by_text() -> None:
+    for exc in (SyntaxError("x"), IndentationError("x"), ImportError("x"), ModuleNotFoundError("x"),
+                ConfigError("x")):
+        assert is_deterministic(exc), exc
+    for exc in (RuntimeError("No module named foo"), ValueError("invalid syntax"), RecoveryError("config"),
+                OSError("x"), MemoryError()):
+        assert not is_deterministic(exc), exc
+
+
+@pytest.mark.timeout(5)
+def test_the_error_in_one_line() -> None:
+    assert describe_error(ModuleNotFoundError("No module named 'nope'")) == (
+        "ModuleNotFoundError: No module named 'nope'")
+    assert describe_error(ConfigError("bad\n  value")) == "trainguard.errors.ConfigError: bad value"
+    tail = ("Traceback (most recent call last):", "ImportError: x",
+            DETERMINISTIC_MARK + "ImportError: x (t.py, line 2)", "a warning printed at exit")
+    assert deterministic_error(tail) == "ImportError: x (t.py, line 2)"
+    assert deterministic_error(("ImportError: x",)) == ""
+
+
+@pytest.mark.timeout(5)
+def test_exit_78_ends_the_job_under_every_strategy() -> None:
+    for text in ("recover-in-place", "elastic", "retry,recover-in-place,dump", "exit"):
+        d = decide_exit(Role.WORKER, EXIT_CONFIG_ERROR, 0, 3, parse_strategy(text))
+        assert d.action is Action.GIVE_UP and "deterministic" in d.reason, text  # never LEFT_OUT nor RESTART
+    assert decide_exit(Role.WORKER, EXIT_CONFIG_ERROR, 0, 3, stopping=True).action is Action.STOPPED
+    assert decide_exit(Role.WORKER, 1, 0, 3).action is Action.RESTART  # any other error is still a fault
+
+
+@pytest.mark.timeout(5)
+def test_the_final_message_names_the_worker_and_the_error() -> None:
+    tail = ('  File "/x/train.py", line 3', "    import no_such_module",
+            "ModuleNotFoundError: No module named 'no_such_module'",
+            DETERMINISTIC_MARK + "ModuleNotFoundError: No module named 'no_such_module' (train.py, line 3)")
+    bad = Failure("worker 1", 42, EXIT_CONFIG_ERROR, tail)
+    text = failure_summary(bad, 0, bad, 0)
+    first = text.splitlines()[0]
+    assert first == ("trainguard: worker 1 (pid 42) failed with a deterministic error: ModuleNotFoundError: No module "
+                     "named 'no_such_module' (train.py, line 3); a restart would fail the same way, so the job ends "
+                     "without one")
+    assert "max restarts" not in text and "last stderr lines of worker 1:" in text
+    earlier = Failure("worker 0", 41, -9)
+    text = failure_summary(earlier, 1, bad, 3)
+    assert text.startswith("trainguard: worker 1 (pid 42) failed with a deterministic error: ")
+    assert "first failure: worker 0 (pid 41) was killed by signal SIGKILL" in text
+    assert job_exit_code(earlier, bad) == EXIT_CONFIG_ERROR and job_exit_code(earlier, earlier) == 1
+
+
+# --- the worker's entry point ----------------------------------------------------------------------
+
+SYNTAX = "import os\n\ndef broken(:\n    pass\n"
+MISSING = "import os\nimport no_such_module_tg\n"
+RAISES = "import json\n\ndef f():\n    raise ValueError('bad batch')\n\nf()\n"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("body, code, error", [
+    (SYNTAX, EXIT_CONFIG_ERROR, "SyntaxError: invalid syntax (bad.py, line 3)"),
+    (MISSING, EXIT_CONFIG_ERROR, "ModuleNotFoundError: No module named 'no_such_module_tg' (bad.py, line 2)"),
+    (RAISES, 1, ""),
+])
+def test_worker_main_prints_as_python_does_and_exits_78_on_a_deterministic_error(
+        tmp_path: Path, body: str, code: int, error: str) -> None:
+    bad = _script(tmp_path, body, "bad.py")
+    proc = subprocess.run([*WORKER_MAIN, str(bad)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=20)
+    plain = subprocess.run([sys.executable, str(bad)], cwd=tmp_path, capture_output=True, text=True, timeout=20)
+    assert proc.returncode == code, proc.stderr
+    assert plain.returncode == 1
+    if error:  # python's own traceback, then one line the agent quotes
+        assert proc.stderr == plain.stderr + DETERMINISTIC_MARK + error + "\n"
+    else:
+        assert proc.stderr == plain.stderr
+
+
+@pytest.mark.timeout(30)
+def test_worker_main_runs_the_script_as_python_does(tmp_path: Path) -> None:
+    (tmp_path / "helper.py").write_text("VALUE = 'local module'\n")
+    ok = _script(tmp_path, """
+        import os, sys
+        import helper
+        print(sys.argv, __name__, os.path.basename(__file__), helper.VALUE,
+              sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+        sys.exit(7)
+    """, "ok.py")
+    proc = subprocess.run([*WORKER_MAIN, "ok.py", "--lr", "0.1"], cwd=tmp_path, env=_env(), capture_output=True,
+                          text=True, timeout=20)
+    assert proc.returncode == 7, proc.stderr
+    assert proc.stdout == f"{[str(ok), '--lr', '0.1']} __main__ ok.py local module True\n"
+
+
+@pytest.mark.timeout(90)
+def test_a_hot_spare_classifies_the_same_way(tmp_path: Path) -> None:
+    """A restarted worker that comes from a hot spare runs the script through the same entry point."""
+    bad = _script(tmp_path, MISSING, "bad.py")
+    spare = subprocess.run([sys.executable, "-u", "-m", "trainguard.launch.spare", str(bad)], cwd=tmp_path,
+                           env=_env(), input='{"env": {"PATH": "/usr/bin"}, "argv": []}\n', capture_output=True,
+                           text=True, timeout=80)
+    assert spare.returncode == EXIT_CONFIG_ERROR, spare.stderr
+    assert spare.stderr.endswith(f"{DETERMINISTIC_MARK}ModuleNotFoundError: No module named 'no_such_module_tg' "
+                                 "(bad.py, line 2)\n")
+
+
+# --- real jobs: `trainguard run --workers 2` ---------------------------------------------------------------
+
+
+def _run(tmp_path: Path, script: Path, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "0",
+                           "--recovery-path", str(tmp_path / "rec"), *flags, str(script)], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=110)
+    (tmp_path / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return proc, time.monotonic()
+
+
+def _check_ended_at_once(proc: subprocess.CompletedProcess, error: str) -> str:
+    err = proc.stderr
+    assert proc.returncode == EXIT_CONFIG_ERROR, err[-3000:]
+    assert "restarting" not in err and "restart 1/" not in err, err[-3000:]
+    summary = err[err.index("trainguard: worker "):]
+    first = summary.splitlines()[0]
+    assert " failed with a deterministic error: " in first and error in first, summary
+    assert "resumed at step None" not in proc.stdout + err and "MTTR n/a" not in proc.stdout + err
+    return summary
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("body, error", [
+    (SYNTAX, "SyntaxError: invalid syntax (train.py, line 3)"),
+    (MISSING, "ModuleNotFoundError: No module named 'no_such_module_tg' (train.py, line 2)"),
+])
+def test_a_broken_script_ends_the_job_at_once(tmp_path: Path, body: str, error: str) -> None:
+    script = _script(tmp_path, body)
+    start = time.monotonic()
+    proc, end = _run(tmp_path, script)
+    assert end - start < 15, proc.stderr[-3000:]  # no torch to import here: the old 3 restarts took about 20 s
+    _check_ended_at_once(proc, error)
+    assert proc.stderr.count("[agent] worker ") == 1  # the first exit ended the job
+
+
+@pytest.mark.timeout(120)
+def test_a_config_error_after_init_ends_the_job_at_once(tmp_path: Path) -> None:
+    """Rank 1 raises trainguard.ConfigError after joining the cluster (as a forgotten ShardedSampler does);
+    rank 0 waits in the cluster. The job ends without a restart, and soon after the error."""
+    raised = tmp_path / "raised"
+    script = _script(tmp_path, f"""
+        import pathlib, time
+        import trainguard as tg
+        tg.init()
+        if tg.get_rank() == 1:
+            pathlib.Path({str(raised)!r}).write_text(repr(time.time()))
+            raise tg.ConfigError("the loader's sampler must be trainguard.ShardedSampler")
+        time.sleep(90)
+    """)
+    proc, _ = _run(tmp_path, script)
+    ended = time.time()
+    summary = _check_ended_at_once(proc, "trainguard.errors.ConfigError: the loader's sampler must be "
+                                         "trainguard.ShardedSampler (train.py, line 7)")
+    assert ended - float(raised.read_text()) < 15, proc.stderr[-3000:]
+    assert "Traceback (most recent call last):" in summary and "runpy" not in summary

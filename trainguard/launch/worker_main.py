@@ -1,0 +1,101 @@
+"""Every worker the agent starts runs the user's script through here, cold or from a hot spare.
+
+    python -u -m trainguard.launch.worker_main SCRIPT [ARGS...]
+
+It runs SCRIPT as `python SCRIPT ARGS...` would: as `__main__`, with the script's folder first on
+`sys.path`, the same exit codes, and a traceback of the script's own frames through `sys.excepthook`
+(which `trainguard.init()` chains). One difference: an uncaught *deterministic* error, one that a
+restart would only raise again, exits `EXIT_CONFIG_ERROR` (78) instead of 1, after one more line
+(`DETERMINISTIC_MARK` and the error) that the agent quotes in its final message. The agent then
+ends the job at once rather than restarting the worker (policy.py).
+
+Deterministic means by type, never by message text:
+
+- `SyntaxError` (with `IndentationError`, `TabError`): the code does not compile; raised by runpy
+  before the first line runs, or by an import.
+- `ImportError` (with `ModuleNotFoundError`): a missing package or name.
+- `trainguard.ConfigError`: trainguard refused a setting or a use (a loader without ShardedSampler,
+  a bad TG_* variable, a bad SessionConfig). Subclass it for your own configuration errors.
+
+An error wrapped in another type (`raise RuntimeError(...) from exc`) is classified by the outer type.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+
+from ..errors import ConfigError
+from ..exitcodes import EXIT_CONFIG_ERROR
+
+DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (SyntaxError, ImportError, ConfigError)
+DETERMINISTIC_MARK = f"trainguard: a deterministic error, so exit code {EXIT_CONFIG_ERROR} and no restart: "
+
+
+def is_deterministic(exc: BaseException) -> bool:
+    return isinstance(exc, DETERMINISTIC_ERRORS)
+
+
+def describe_error(exc: BaseException, script: str = "") -> str:
+    """One line: the type as Python's traceback names it, the message, and where in `script` it came
+    from (for a SyntaxError, the message already says where)."""
+    kind = type(exc)
+    name = kind.__qualname__
+    if kind.__module__ not in ("builtins", "__main__"):
+        name = f"{kind.__module__}.{name}"
+    text = " ".join(str(exc).split())
+    line = f"{name}: {text}" if text else name
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == script] if script else []
+    if frames and not isinstance(exc, SyntaxError):
+        line += f" ({os.path.basename(script)}, line {frames[-1].lineno})"
+    return line
+
+
+def deterministic_error(tail: list[str] | tuple[str, ...]) -> str:
+    """The error a worker that exited EXIT_CONFIG_ERROR named in its last stderr lines, or ""."""
+    for line in reversed(tail):
+        if line.startswith(DETERMINISTIC_MARK):
+            return line[len(DETERMINISTIC_MARK):]
+    return ""
+
+
+def run_script(script: str) -> None:
+    """Run `script` (an absolute path; sys.argv already set) as __main__. An uncaught exception is printed
+    from the script's own frames on, as python prints it, then ends the process: exit 1, or 78 if the
+    error is deterministic."""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Exception as exc:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:  # runpy's and ours
+            tb = tb.tb_next
+        exc = exc.with_traceback(tb)
+        sys.excepthook(type(exc), exc, tb)  # trainguard.init() chains its hook here
+        if not is_deterministic(exc):
+            raise SystemExit(1) from None
+        print(DETERMINISTIC_MARK + describe_error(exc, script), file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG_ERROR) from None
+
+
+def script_path(script: str) -> str:
+    """The script's absolute path, and its real folder first on sys.path, as `python SCRIPT` has it."""
+    path = os.path.abspath(script)
+    if not sys.flags.safe_path:  # `python -m` put the cwd first
+        sys.path[0] = os.path.dirname(os.path.realpath(path))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m trainguard.launch.worker_main SCRIPT [ARGS...]", file=sys.stderr)
+        raise SystemExit(2)
+    path = script_path(argv[0])
+    sys.argv = [path, *argv[1:]]  # runpy makes argv[0] the absolute path anyway (python leaves it as given)
+    run_script(path)
+
+
+if __name__ == "__main__":
+    main()
