@@ -40,6 +40,23 @@ def launch(out: Path, workers: int, *, faults: str = "", level: str = "low", epo
     return proc
 
 
+def baselines(tmp_path_factory):
+    """Uninterrupted runs' final states, run once per (workers, level, epochs) and cached: the reference a
+    test with faults must equal bit for bit."""
+    cache: dict[tuple, list[dict]] = {}
+
+    def get(workers: int, level: str = "low", epochs: int = 2) -> list[dict]:
+        key = (workers, level, epochs)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"baseline-{workers}-{level}-{epochs}")
+            proc = launch(out, workers, level=level, epochs=epochs, max_restarts=0, spares=0)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            cache[key] = finals(out, workers)
+        return cache[key]
+
+    return get
+
+
 def finals(out: Path, world: int) -> list[dict]:
     return [tg.load_state(out / "final" / f"rank_{r}.safetensors") for r in range(world)]
 

@@ -12,7 +12,7 @@ from trainguard.checkpoint import format as fmt
 from trainguard.checkpoint import jobsave, list_checkpoints, prune_checkpoints, read_manifest, verify_checkpoint
 from trainguard.checkpoint.blob import pack
 from trainguard.checkpoint.codec import flatten_state
-from trainguard.checkpoint.format import new_manifest
+from trainguard.checkpoint.manifest import new_manifest
 from trainguard.checkpoint.replicas import recover_rank
 from trainguard.errors import CheckpointCorrupt, CheckpointError
 from trainguard.launch.cli import main
@@ -149,3 +149,22 @@ def test_cli_ls_inspect_verify_recover_on_a_job_checkpoint(tmp_path, capsys):
     assert main(["ckpt", "recover", str(folder), "--rank", "1"]) == 0
     assert "rebuilt from rank(s) [0]" in capsys.readouterr().out
     assert main(["ckpt", "verify", str(folder)]) == 0
+
+
+def test_a_dying_gasp_does_not_rewrite_a_part_a_regular_save_of_the_same_step_wrote(tmp_path):
+    """The race of a SIGTERM on a periodic-save step: rank 1's regular save wrote its part, rank 0's commit
+    still waits; rank 1's dying gasp must leave that part and its done marker alone."""
+    from trainguard.checkpoint.manager import CheckpointConfig, ModelCheckpoint
+    from trainguard.train.snapshots import Snapshot
+
+    tensors, meta, blobs = snapshot(6)
+    snap = Snapshot(6, tensors, meta, blobs[1], ranks=blobs)
+    saver = ModelCheckpoint("ck", tmp_path, CheckpointConfig(exception_save=True))
+    first = saver.save_dying_gasp(snap, 1, blobs[1], None, WORLD)  # as the regular save wrote it
+    marker = next(first.parent.glob(".*/rank_1.done.json"))
+    stamp = marker.stat().st_mtime_ns
+    assert saver.save_dying_gasp(snap, 1, blobs[1], None, WORLD) is None  # already there: not rewritten
+    assert marker.exists() and marker.stat().st_mtime_ns == stamp
+    assert saver.save_dying_gasp(snap, 0, blobs[0], None, WORLD) is not None
+    done, errors = saver.commit_dying_gasp(deadline=__import__("time").monotonic() + 5)
+    assert errors == [] and [p.name for p in done] == [first.name]

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from harness import assert_identical, env, events, finals, launch
-from trainguard.checkpoint.blob import pack, unpack
 from trainguard.cluster import membership as m
 from trainguard.cluster.elastic import ElasticScheduling
 from trainguard.cluster.protocol import FailureKind
@@ -22,8 +21,7 @@ from trainguard.launch.policy import LaunchSpec, worker_env
 from trainguard.recovery.plan import choose_restore
 from trainguard.recovery.strategies import parse_strategy, require_implemented
 from trainguard.train.data import ShardedSampler
-from trainguard.train.elastic import Phase, generation_nodes, rank_blob
-from trainguard.train.snapshots import Snapshot
+from trainguard.train.elastic import Phase
 
 pytestmark = pytest.mark.timeout(30)
 JOB = Path(__file__).resolve().parent / "jobs" / "elastic_job.py"
@@ -102,23 +100,15 @@ def test_worker_phase_progress_round_trip():
     assert Phase.of({"step": 9, **p.as_dict(2)}, 2) == p
 
 
-# --- a returning node's own state ------------------------------------------------------------
-
-
-def test_rank_blob_follows_the_node_id_not_the_rank():
-    own = pack({"rng": None, "progress": {"step": 7, "epoch": 0, "in_epoch": 7}})
-    snap = Snapshot(7, {}, {}, own, ranks={0: b"node0", 1: b"node2"}, nodes=("0", "2"))
-    assert rank_blob(snap, "2") == b"node2"  # node 2 was rank 1 in the smaller generation
-    back = unpack(rank_blob(snap, "1"))  # node 1 was not there: progress only, no RNG
-    assert back == {"rng": None, "progress": {"step": 7, "epoch": 0, "in_epoch": 7}}
+# --- restore decisions ---------------------------------------------------------------------------
 
 
 def test_restore_decision_names_each_ranks_node():
-    reports = {0: {"memory": [[5, True]], "node": "0"}, 1: {"memory": [], "node": "1"}}
+    reports = {0: {"step": 5, "node": "0"}, 1: {"step": None, "node": "1"}}
     d = choose_restore(reports)
     assert d["step"] == 5 and d["sources"]["1"] == {"kind": "peer", "peer": 0}
-    assert generation_nodes(d) == ("0", "1")
-    assert "nodes" not in choose_restore({0: {"memory": [[1, True]]}})
+    assert d["nodes"] == {"0": "0", "1": "1"}
+    assert "nodes" not in choose_restore({0: {"step": 1}})
 
 
 # --- membership decisions ---------------------------------------------------------------------

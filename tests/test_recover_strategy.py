@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import assert_identical, env, events, finals, job_args, launch
+from harness import assert_identical, env, events, finals, job_args
 from trainguard.cluster import protocol as p
 from trainguard.cluster.client import Connection
 from trainguard.cluster.placement import (
@@ -238,11 +238,8 @@ def run_two_agents(out: Path, *, b_slots: int, strategy: str, faults: str, extra
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    out = tmp_path_factory.mktemp("baseline")
-    proc = launch(out, 2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return finals(out, 2)
+def baseline(baseline_runs):
+    return baseline_runs(2)
 
 
 @pytest.mark.timeout(150)

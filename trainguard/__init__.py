@@ -27,6 +27,9 @@ _LAZY = {
     "restore_group_info_list": "checkpoint.replicas", "recover_rank": "checkpoint.replicas",
     "Callback": "train.callbacks", "LossMonitor": "train.callbacks", "StepTimeMonitor": "train.callbacks",
     "ShardedSampler": "train.data", "Model": "train.model", "DataParallel": "train.parallel",
+    "DDP": "train.parallel", "DistributedDataParallel": "train.parallel",
+    "Optimizer": "train.guard", "DataLoader": "train.guard", "DistributedSampler": "train.guard",
+    "start_epoch": "train.guard",
     "Session": "train.session", "SessionConfig": "train.session", "Step": "train.session",
     "TrainState": "train.state", "GracefulStop": "train.preempt",
 }

@@ -61,6 +61,13 @@ class CheckpointCorrupt(CheckpointError):
     """A checkpoint file is truncated, altered, hostile or does not match its manifest."""
 
 
+class CollectiveFailed(TrainguardError):
+    """A collective that trainguard issued (the gradient exchange, a state transfer, a vote) failed,
+    usually because a peer died or left to regroup. The original error is its `__cause__`. The step
+    it belongs to is skipped (nothing was applied) and the job recovers; this is the only failure the
+    training loop treats as a network fault."""
+
+
 class RecoveryError(TrainguardError):
     """No consistent step could be restored on every rank."""
 
@@ -73,8 +80,8 @@ class ClusterStateError(TrainguardError):
 
 
 class Retriable(TrainguardError):
-    """Raise it (or `raise Retriable(...) from exc`) inside `with step:` to have every rank roll back to the
-    last in-memory snapshot and redo the step in the same processes. Needs the retry recover strategy
+    """Raise it (or `raise Retriable(...) from exc`) inside `with step:` before the optimizer step to have
+    every rank skip the step and redo it in the same processes. Needs the retry recover strategy
     (`--recover-strategy retry,...`); without it, it ends the process like any other exception."""
 
 

@@ -37,7 +37,7 @@ MAX_BUILD_FAILURES = 5
 class Runtime:
     def __init__(self, cfg: C.ClusterConfig):
         self.cfg = cfg
-        self.scheduler = None
+        self.scheduler = None  # rank 0 under torchrun/mpirun: the scheduler child it supervises (sched_child.py)
         if cfg.embedded_scheduler:
             cfg = self._host_scheduler(cfg)
         elif cfg.mode is C.LaunchMode.TORCHRUN and cfg.sched_port == 0:
@@ -61,14 +61,15 @@ class Runtime:
         self._error: str = ""
         self._register()
 
-    # --- scheduler hosted in rank 0 (torchrun / mpirun) ------------------------------------
+    # --- the scheduler, a child process of rank 0 (torchrun / mpirun) -------------------------
 
     def _host_scheduler(self, cfg: C.ClusterConfig) -> C.ClusterConfig:
-        from .cluster.scheduler import start_in_thread
+        """Start the scheduler as a child process (restarted if it dies; it ends with this rank's job). Under
+        torchrun without TG_SCHED_PORT it binds port 0 and this rank publishes the port in torchrun's store."""
+        from .cluster.sched_child import SchedulerProcess
 
-        bind = cfg if cfg.mode is not C.LaunchMode.TORCHRUN or cfg.sched_port else _replace(cfg, sched_port=0)
-        self.scheduler, self._sched_thread = start_in_thread(bind)
-        cfg = _replace(cfg, sched_port=self.scheduler.port)
+        self.scheduler = SchedulerProcess(cfg)
+        cfg = _replace(cfg, sched_port=self.scheduler.start())
         if cfg.mode is C.LaunchMode.TORCHRUN and self.cfg.sched_port == 0:
             self._launch_store = self._torchrun_store()  # kept: if this rank hosts that store, it must outlive the call
             self._launch_store.set("trainguard/scheduler", f"{cfg.sched_host}:{cfg.sched_port}")
@@ -132,6 +133,11 @@ class Runtime:
         self.heart.stop()
         self._register()
 
+    def sever(self, reason: str) -> None:
+        """Cut this generation's group connections: every collective with it fails at once, here and at
+        the peers (also used to inject a failed collective in tests)."""
+        self._sockets.sever(reason)
+
     def _on_news(self) -> None:
         """Heartbeat thread: the cluster left our generation. Cut our group's connections, so a
         collective blocked on a peer that went to regroup (alive, so its sockets stay open) fails
@@ -175,10 +181,10 @@ class Runtime:
     def drop_group(self) -> None:
         # peers still blocked in a collective with us learn at once that we left
         self._sockets.sever("leaving the group")
-        if self.group is not None or dist.is_initialized():
+        if dist.is_initialized():  # the user's script may have destroyed it already: nothing to do then
             try:
                 dist.destroy_process_group()
-            except (RuntimeError, ValueError) as exc:
+            except (RuntimeError, ValueError, AssertionError) as exc:
                 log.warning("dropping the broken group: %s", exc)
         self.group = None
 
@@ -207,11 +213,16 @@ class Runtime:
         self.heart.stop()
         self.drop_group()
         self.client.close()
-        if self.scheduler is not None:  # rank 0 hosts the scheduler: let the others finish first
-            self._sched_thread.join(timeout=self.cfg.join_timeout)
+        if self.scheduler is not None:  # rank 0 started the scheduler: it ends once the others have finished
+            self.scheduler.wait(timeout=self.cfg.join_timeout)
 
     def record_error(self, text: str) -> None:
         self._error = text
+
+    @property
+    def failed(self) -> bool:
+        """An exception is ending this process (recorded by the excepthook)."""
+        return bool(self._error)
 
     def _at_exit(self) -> None:
         self.finish(ok=not self._error, detail=self._error)
@@ -256,6 +267,8 @@ def init(env=None) -> Runtime:
     atexit.register(rt._at_exit)
     rt.form()
     _runtime = rt
+    # scripts written for torchrun read these after init_process_group(): same names, this generation's values
+    os.environ.update(RANK=str(rt.rank), WORLD_SIZE=str(rt.world_size), LOCAL_RANK=str(rt.local_rank))
     from .train import data
 
     data.default_shard_info = lambda: (rt.world_size, rt.rank)

@@ -165,10 +165,7 @@ class ModelCheckpoint:
             self.save(session)
 
     def save(self, session) -> None:
-        snap = session.snapshots.get(session.step)
-        if snap is None:  # every rank saves this step, so this collective is safe
-            session._snapshot()
-            snap = session.snapshots.get(session.step)
+        snap = session.capture()  # the private copy is all an async save blocks on
         if not self._exit_hook:  # a process leaving normally lets its last save finish
             self._exit_hook = True
             _at_exit(self.settle, EXIT_PATIENCE_S)
@@ -256,7 +253,9 @@ class ModelCheckpoint:
         already. The part of rank 0 makes this process its committer: `commit_dying_gasp` then
         finishes it. Raises CheckpointError; a cut write never looks complete."""
         job = self._job(snap, rank, steps_per_epoch, world_size)
-        if self._already_saved(job):
+        # a regular save of this very step may have written this part already, its commit still waiting for a
+        # peer: rewriting it would pull its done marker from under that commit
+        if self._already_saved(job) or (rank != 0 and jobsave.part_done(job.tmp, rank, job.sid)):
             return None
         jobsave.write_part(job.tmp, rank, job.step, job.tensors, job.meta, job.sid)
         if rank == 0:

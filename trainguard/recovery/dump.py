@@ -1,12 +1,12 @@
 """Dying-gasp checkpoints: what a leaving rank writes, and writing it before a deadline.
 
 A graceful exit writes the one step every rank agreed on. A dump (the dump recover strategy)
-happens after a fault, without agreement: each survivor writes every snapshot it still holds
-(the last two committed steps; ranks can be one step apart), so the ranks' disk checkpoints
-always share a step and the next run's restore agreement finds it (recovery/plan.py). The
-lowest surviving rank also writes each dead rank's state from the replicas it holds: shared
-state is the same on every data-parallel rank, and each snapshot carries every rank's own part
-(RNG, data position) once replicated. What cannot be written is said, never papered over.
+happens after a fault, without agreement: each survivor writes its committed state, and the
+lowest surviving rank also writes each dead rank's part: in data parallelism every rank's part
+is the same (shared state, and progress; random streams are re-seeded from the step). Survivors
+can be one step apart (an all-reduce completed on some ranks only); then their checkpoints hold
+different steps and the next run resumes from the newest step every rank has on disk, which may
+be an older regular checkpoint. What cannot be written is said, never papered over.
 Each rank's state is its part of the checkpoint's shared folder; whoever writes rank 0's part
 waits for the others and completes it (checkpoint/jobsave.py).
 """
@@ -63,14 +63,11 @@ def who_died(status: dict, me: int) -> tuple[frozenset[int], bool]:
     return dead, me == min(alive)
 
 
-def dump_targets(snapshots, rt, *, patience: float) -> tuple[list[tuple], list[str]]:
-    """[(snapshot, rank, own blob)] this survivor writes, and notes on what it cannot."""
-    held: dict[int, frozenset[int]] = {}
-    snaps = {}
-    for step, _ in snapshots.report():
-        snap = snapshots.get(step)
-        snaps[step] = snap
-        held[step] = (frozenset(snap.ranks) | {rt.rank}) if snap.ranks else frozenset({rt.rank})
+def dump_targets(snap, rt, *, patience: float) -> tuple[list[tuple], list[str]]:
+    """[(snapshot, rank, own blob)] this survivor writes, and notes on what it cannot. `snap` is its
+    committed state; in data parallelism every rank's part of it is the same, so it can stand in
+    for any dead rank's."""
+    held = {snap.step: frozenset(snap.ranks or {rt.rank})}
     dead, writer = None, False
     deadline = time.monotonic() + patience
     try:
@@ -82,7 +79,7 @@ def dump_targets(snapshots, rt, *, patience: float) -> tuple[list[tuple], list[s
     except (TrainguardError, OSError) as exc:
         log.warning("dump: no status from the scheduler: %s", exc)
     plan, notes = plan_dump(held, rt.rank, dead, writer)
-    items = [(snaps[s], r, snaps[s].own if r == rt.rank else snaps[s].ranks[r]) for s, r in plan]
+    items = [(snap, r, snap.own if r == rt.rank else snap.ranks[r]) for _, r in plan]
     return items, notes
 
 

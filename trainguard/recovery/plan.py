@@ -1,16 +1,18 @@
-"""Choosing the restore step: a pure function of what every rank says it can restore.
+"""Choosing the restore step: a pure function of what every rank says it holds.
 
 Each rank reports
-    {"memory": [[step, replicated], ...],   # in-memory snapshots it holds; `replicated` means it
-                                            # also holds every rank's per-rank state for that step
-     "disk":   [step, ...],                 # complete disk checkpoints of its own
-     "node":   node_id}                     # optional; echoed as the decision's "nodes" (rank -> node id),
-                                            # so that state can follow a node whose rank moved (elastic)
+    {"step": s or None,   # the committed step its live state is at; None: a fresh process
+     "disk": [step, ...], # complete disk checkpoints it can load
+     "node": node_id}     # optional; echoed as the decision's "nodes" (rank -> node id)
 
-The newest step s wins such that every rank r can get its state at s from
-    itself (s in its memory), else a peer p (s in p's memory and replicated), else its disk.
-If no rank holds anything, the job starts fresh. If ranks hold state but no step is
-restorable everywhere, that is an error: starting over silently would lose the work.
+With commit-or-skip a failed step changes nothing, so every live state is a correct committed
+state, and live ranks are at most one step apart. The newest live step wins: ranks at it keep
+their state ("self"); every other rank (one step behind, or a replacement) receives it from a
+rank at it ("peer"; the holders share the sending). Nothing live is ever rolled back, and
+survivors lose no step. When no rank holds a live state (a rerun, or every process was
+restarted), the newest disk checkpoint every rank can load wins ("disk"); with none, the job
+starts fresh ("init"). Ranks that lost their state while others hold disk checkpoints they
+cannot all load are an error: starting over silently would lose the work.
 """
 
 from __future__ import annotations
@@ -25,32 +27,28 @@ def choose_restore(reports: dict[int, dict]) -> dict:
 
 
 def _choose(reports: dict[int, dict]) -> dict:
-    memory = {r: {int(s): bool(rep) for s, rep in rep_.get("memory", [])} for r, rep_ in reports.items()}
-    disk = {r: {int(s) for s in rep_.get("disk", [])} for r, rep_ in reports.items()}
     ranks = sorted(reports)
-    held = [s for r in ranks for s in memory[r]]
-    from_step = max(held) if held else None
-    candidates = sorted({s for r in ranks for s in memory[r]} | {s for r in ranks for s in disk[r]}, reverse=True)
-    if not candidates:
-        return {"step": 0, "fresh": True, "from_step": 0, "sources": {str(r): {"kind": "init"} for r in ranks}}
-    for s in candidates:
-        sources: dict[str, dict] = {}
+    live = {r: int(rep["step"]) for r, rep in reports.items() if rep.get("step") is not None}
+    if live:
+        s = max(live.values())
+        holders = [r for r in ranks if live.get(r) == s]
+        sources, turn = {}, 0
         for r in ranks:
-            if s in memory[r]:
+            if r in holders:
                 sources[str(r)] = {"kind": "self"}
-                continue
-            peers = [p for p in ranks if memory[p].get(s)]
-            if peers:
-                sources[str(r)] = {"kind": "peer", "peer": peers[0]}
-            elif s in disk[r]:
-                sources[str(r)] = {"kind": "disk"}
             else:
-                break
-        else:
-            return {"step": s, "fresh": False, "from_step": from_step if from_step is not None else s,
-                    "sources": sources}
-    have = "; ".join(f"rank {r}: memory {sorted(memory[r])}, disk {sorted(disk[r])}" for r in ranks)
-    return {"step": None, "fresh": False, "from_step": from_step, "sources": {},
+                sources[str(r)] = {"kind": "peer", "peer": holders[turn % len(holders)]}
+                turn += 1
+        return {"step": s, "fresh": False, "from_step": s, "sources": sources}
+    disk = {r: {int(s) for s in reports[r].get("disk", [])} for r in ranks}
+    common = set.intersection(*disk.values()) if disk else set()
+    if common:
+        s = max(common)
+        return {"step": s, "fresh": False, "from_step": s, "sources": {str(r): {"kind": "disk"} for r in ranks}}
+    if not any(disk.values()):
+        return {"step": 0, "fresh": True, "from_step": 0, "sources": {str(r): {"kind": "init"} for r in ranks}}
+    have = "; ".join(f"rank {r}: disk {sorted(disk[r])}" for r in ranks)
+    return {"step": None, "fresh": False, "from_step": None, "sources": {},
             "error": f"no step can be restored on every rank ({have}); keep at least 2 disk checkpoints "
                      "(keep_checkpoint_max >= 2) or restore the missing rank's files"}
 

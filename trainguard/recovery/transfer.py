@@ -1,9 +1,28 @@
-"""Moving bytes between ranks over the current process group (gloo or NCCL)."""
+"""Moving bytes and small values between ranks over the current process group (gloo or NCCL).
+
+Every function here is a collective trainguard issues itself, so a failure comes out typed:
+`CollectiveFailed`, with torch's error as its cause.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+
+from ..errors import CollectiveFailed
+
+
+def _typed(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError (or a subclass)
+            raise CollectiveFailed(f"{fn.__name__} failed: {exc}") from exc
+
+    return wrapper
 
 
 def _device(group: dist.ProcessGroup) -> torch.device:
@@ -11,6 +30,7 @@ def _device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+@_typed
 def send_bytes(data: bytes, dst: int, group: dist.ProcessGroup) -> None:
     dev = _device(group)
     dist.send(torch.tensor([len(data)], dtype=torch.int64, device=dev), dst, group=group)
@@ -18,6 +38,7 @@ def send_bytes(data: bytes, dst: int, group: dist.ProcessGroup) -> None:
         dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev), dst, group=group)
 
 
+@_typed
 def recv_bytes(src: int, group: dist.ProcessGroup) -> bytes:
     dev = _device(group)
     n = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -30,11 +51,24 @@ def recv_bytes(src: int, group: dist.ProcessGroup) -> bytes:
     return buf.cpu().numpy().tobytes()
 
 
+@_typed
 def all_gather_bytes(data: bytes, group: dist.ProcessGroup) -> list[bytes]:
     """Every rank's bytes, in rank order (two collectives: lengths, then padded payloads)."""
-    return all_gather_flagged(data, 0, group)[0]
+    dev = _device(group)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    width = max(lengths)
+    mine = torch.zeros(width, dtype=torch.uint8, device=dev)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    parts = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    return [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, lengths)]
 
 
+@_typed
 def all_max(flag: int, group: dist.ProcessGroup) -> int:
     """The largest of every rank's `flag` (one small all-reduce)."""
     t = torch.tensor([flag], dtype=torch.int64, device=_device(group))
@@ -42,19 +76,17 @@ def all_max(flag: int, group: dist.ProcessGroup) -> int:
     return int(t.item())
 
 
-def all_gather_flagged(data: bytes, flag: int, group: dist.ProcessGroup) -> tuple[list[bytes], int]:
-    """`all_gather_bytes`, and the largest of every rank's `flag` at no extra collective (it rides
-    with the lengths): how the commit point learns that some rank wants the job to stop."""
-    dev = _device(group)
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(data), flag], dtype=torch.int64, device=dev), group=group)
-    lengths = [int(s[0].item()) for s in sizes]
-    top = max(int(s[1].item()) for s in sizes)
-    width = max(lengths)
-    mine = torch.zeros(width, dtype=torch.uint8, device=dev)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
-    parts = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    return [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, lengths)], top
+@_typed
+def broadcast_int(value: int, src: int, group: dist.ProcessGroup) -> int:
+    """`src`'s value on every rank."""
+    t = torch.tensor([value], dtype=torch.int64, device=_device(group))
+    dist.broadcast(t, src, group=group)
+    return int(t.item())
+
+
+@_typed
+def broadcast_module(module: torch.nn.Module, src: int, group: dist.ProcessGroup) -> None:
+    """Every rank takes `src`'s parameters and buffers."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src, group=group)

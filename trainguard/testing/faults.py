@@ -1,11 +1,16 @@
 """Inject faults at chosen steps: `fail_at(rank, step, how)`, or TG_FAULT="rank:step:how[:life],...".
 
 how: kill (SIGKILL itself), term (SIGTERM), stop (SIGSTOP: a hang), raise (an exception out of the
-loop), sched (SIGKILL the scheduler), collective (the next step fails on this rank as a failed gloo
-collective does: the error is recorded inside the step, with every process alive). A fault fires
-after step `step` commits, in the process's `life`-th incarnation only (default 1), so a
-replacement does not fire it again; a collective fault fires once per process (a retried step
-does not fail again). Each firing is logged as a `fault_injected` event first, which is what
+loop), sched (SIGKILL the scheduler), collective (the next step's gradient exchange fails on every
+rank, as when a connection breaks: this rank cuts its group's connections, with every process
+alive). A fault fires after step `step` commits, in the process's `life`-th incarnation only
+(default 1), so a replacement does not fire it again; a collective fault fires once per process
+(a retried step does not fail again).
+
+Inside the next step (the one after `step` commits), SIGKILL at a chosen point of the commit
+protocol: kill-before (before the gradient exchange), kill-exchange (while it is in flight: after
+its first bucket was sent), kill-after (the exchange completed, the update not yet applied),
+kill-commit (the update applied, the step not yet counted). Each firing is logged as a `fault_injected` event first, which is what
 MTTR is measured from.
 
 TG_FAULT_SLOW_SAVE=S makes every dying-gasp checkpoint file take S seconds longer to write (it
@@ -30,7 +35,9 @@ from ..train.callbacks import Callback
 FAULT_ENV = "TG_FAULT"
 SLOW_SAVE_ENV = "TG_FAULT_SLOW_SAVE"
 DISK_FULL_ENV = "TG_FAULT_DISK_FULL"
-HOWS = ("kill", "term", "stop", "raise", "sched", "collective")
+PHASES = {"kill-before": "before_exchange", "kill-exchange": "in_exchange", "kill-after": "after_exchange",
+          "kill-commit": "in_commit"}  # Session.phase_point names
+HOWS = ("kill", "term", "stop", "raise", "sched", "collective", *PHASES)
 
 
 class InjectedFault(RuntimeError):
@@ -83,14 +90,16 @@ class FaultInjector(Callback):
             if f.how == "collective" and self._due(f, session):
                 self._fired.add(f)
                 fire(f, session.rt)
-                # what the gradient hook records when gloo fails under it (parallel.py): the step goes on
-                session.record_error(RuntimeError(
-                    f"[trainguard.testing] gloo: Connection reset by peer (injected collective fault in step "
-                    f"{f.step + 1} on rank {f.rank})"))
+                session.rt.sever(f"injected collective fault in step {f.step + 1} on rank {f.rank}")
+
+    def on_phase(self, session, phase: str) -> None:
+        for f in self.faults:
+            if PHASES.get(f.how) == phase and self._due(f, session):
+                fire(f, session.rt)
 
     def on_step_end(self, session) -> None:
         for f in self.faults:
-            if f.how != "collective" and self._due(f, session):
+            if f.how != "collective" and f.how not in PHASES and self._due(f, session):
                 fire(f, session.rt)
 
 
@@ -105,7 +114,8 @@ def fire(f: Fault, rt) -> None:
     if f.how == "sched":
         os.kill(int(rt.client.status()["scheduler_pid"]), signal.SIGKILL)
         return
-    sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[f.how]
+    sig = signal.SIGKILL if f.how in PHASES else {"kill": signal.SIGKILL, "term": signal.SIGTERM,
+                                                   "stop": signal.SIGSTOP}[f.how]
     os.kill(os.getpid(), sig)
 
 

@@ -262,3 +262,15 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
             f"seed={self.seed}, drop_last={self.drop_last}, epoch={self._epoch}, "
             f"position={self._position}{base})"
         )
+
+
+def sampler_of(loader) -> ShardedSampler | None:
+    """The ShardedSampler of a DataLoader (as its sampler or its batch sampler's); ConfigError otherwise."""
+    if loader is None:
+        return None
+    sampler = loader.sampler if isinstance(loader.sampler, ShardedSampler) else getattr(
+        loader.batch_sampler, "sampler", None)
+    if not isinstance(sampler, ShardedSampler):
+        raise ConfigError("the loader's sampler must be trainguard.ShardedSampler so that the data position "
+                          "can be restored after a failure: DataLoader(ds, batch_size=B, sampler=ShardedSampler(ds))")
+    return sampler

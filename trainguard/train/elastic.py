@@ -7,9 +7,8 @@ when one comes back). The data position is global: progress records the sampler'
 the first index of the epoch not yet consumed, so the rest of the epoch is split over the new
 world and every index is still seen once (train/data.py).
 
-Snapshots record the node id of each rank of their generation, so a peer can hand a returning
-node its own per-rank state (RNG) even when ranks were renumbered; a node no snapshot knows
-gets only the progress, and keeps the RNG its script seeded.
+A returning node needs no state of its own: it receives the shared state and progress from a
+peer, and its random streams are re-seeded from (job seed, rank, step) like every rank's.
 """
 
 from __future__ import annotations
@@ -18,11 +17,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..checkpoint.blob import pack, unpack
-
 if TYPE_CHECKING:
     from .session import Session
-    from .snapshots import Snapshot
 
 log = logging.getLogger("trainguard.session")
 
@@ -42,28 +38,11 @@ class Phase:
                    int(progress.get("shards", 0)) or world_size)
 
 
-def generation_nodes(decision: dict) -> tuple[str, ...]:
-    """Node ids of this generation by rank, as every rank reported them to the restore agreement."""
-    nodes = decision.get("nodes") or {}
-    ranks = sorted(int(r) for r in nodes)
-    return tuple(str(nodes[str(r)]) for r in ranks) if ranks == list(range(len(ranks))) else ()
-
-
-def rank_blob(snap: "Snapshot", node_id: str | None) -> bytes:
-    """The per-rank state a peer sends to `node_id`: its own from the snapshot if the snapshot's
-    generation had it, else the (global) progress with no RNG."""
-    if node_id is not None and snap.ranks is not None and node_id in snap.nodes:
-        i = snap.nodes.index(node_id)
-        if i in snap.ranks:
-            return snap.ranks[i]
-    return pack({"rng": None, "progress": unpack(snap.own, "own snapshot state")["progress"]})
-
-
 def reshard(session: "Session", phase: Phase) -> Phase:
     """After a restore: if the world size changed, a new phase holding the rest of the epoch.
     An empty phase (nothing left for this world, e.g. fewer samples than shards with drop_last)
     ends the epoch."""
-    rt, sampler, loader = session.rt, session._sampler, session.state.loader
+    rt, sampler, loader = session.rt, session.sampler, session.state.loader
     if phase.shards == rt.world_size:
         return phase
     sampler.set_epoch(session.epoch)

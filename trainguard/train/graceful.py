@@ -34,19 +34,13 @@ from typing import NoReturn
 from ..errors import JobStopped
 from ..exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
 from ..recovery.dump import DumpResult, dump_targets, write_dying_gasp
+from ..signals import signal_name
 
 log = logging.getLogger("trainguard.graceful")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 MARGIN_FRACTION, MARGIN_MAX_S = 0.2, 1.0  # of the grace period, kept for leaving after the save
 GOODBYE_PATIENCE_S = 2.0  # how long a leaving worker waits for the scheduler
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 class StopRequest:
@@ -98,15 +92,15 @@ def stop_gracefully(session, signum: int) -> NoReturn:
     """Every rank agreed, at the commit of `session.step`, that the job stops: save, say goodbye, exit 75."""
     rt, step, name = session.rt, session.step, signal_name(signum)
     deadline = session.stop.deadline(rt.cfg.grace_period)
-    if session.snapshots.get(step) is None:
-        session._snapshot()  # every rank is here, so this collective is safe
-    snap = session.snapshots.get(step)
+    snap = session.capture()
     result = write_dying_gasp(session.gasp_savers, [(snap, rt.rank, snap.own)], session, deadline)
     reason = f"{name} at step {step}"
     rt.events.emit("graceful_exit", rank=rt.rank, step=step, signal=name, saved=result.saved_steps(),
                    pending=result.pending)
-    print(f"trainguard: rank {rt.rank}: {name}: stopped at step {step}; {result.describe()}; "
-          "run the same command again to resume", file=sys.stderr, flush=True)
+    then = ("run the same command again to resume" if result.saved or result.completed else
+            "nothing was saved, so running the same command again starts over")
+    print(f"trainguard: rank {rt.rank}: {name}: stopped at step {step}; {result.describe()}; {then}",
+          file=sys.stderr, flush=True)
     rt.finish(ok=True, stopped=True, detail=f"stopped on {reason}", patience=GOODBYE_PATIENCE_S)
     _leave(session, EXIT_PREEMPTED, reason, result)
 
@@ -122,7 +116,7 @@ def stop_on_fault(session, reason: str) -> NoReturn:
     result = None
     if strategy.dump:
         deadline = session.stop.deadline(rt.cfg.grace_period)
-        items, notes = dump_targets(session.snapshots, rt, patience=GOODBYE_PATIENCE_S)
+        items, notes = dump_targets(session.capture(), rt, patience=GOODBYE_PATIENCE_S)
         for note in notes:
             print(f"trainguard: rank {rt.rank}: dump: {note}", file=sys.stderr, flush=True)
         result = write_dying_gasp(session.gasp_savers, items, session, deadline, settle=GOODBYE_PATIENCE_S)

@@ -1,94 +1,100 @@
-"""Data parallelism that survives regrouping.
+"""Data parallelism that survives regrouping: `DataParallel(net)` (alias `DDP`) stands where
+`DistributedDataParallel(net)` stood.
 
-`DataParallel(net)` stands where `DistributedDataParallel(net)` stood. It wraps the same
-parameters, so the optimizer is untouched, and rebuilds torch's DDP for each new process
-group. Its gradient hook:
-  - sums the ranks' gradients in rank order (all-gather, then add), so the result does not
-    depend on DDP's bucket layout, which changes when DDP is rebuilt: that keeps a resumed run
-    bit-identical to one that never failed;
-  - never raises from inside backward: a failed collective is recorded, and the session decides
-    at the step's commit point (torchft's report-then-commit pattern).
+It wraps the same parameters, so the optimizer is untouched, and its gradient exchange
+(train/gradsync.py) is a bucketed all-reduce over a layout fixed once from the parameters:
+overlapped with backward as DDP's, deterministic for a given world size and rank order, and
+never raising inside backward (a failed exchange is recorded; the optimizer step is skipped).
+Each generation attaches it to the new process group (`rebuild`); nothing is broadcast then,
+because recovery hands every rank the same state. A fresh job starts from rank 0's parameters
+(`broadcast_from`), as DDP's constructor does. Buffers (e.g. BatchNorm statistics) are broadcast
+from rank 0 before every forward, as DDP's `broadcast_buffers=True` does.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..errors import ConfigError
+from ..recovery.transfer import broadcast_module
+from .gradsync import GradSync
 
 log = logging.getLogger("trainguard.parallel")
 
-ErrorSink = Callable[[BaseException], None]
-
-
-def _done(value: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-def make_grad_hook(group: dist.ProcessGroup, on_error: ErrorSink, *, deterministic: bool = True):
-    world = dist.get_world_size(group)
-
-    def hook(_state, bucket):  # no annotations: DDP compares them to real types
-        grad = bucket.buffer()
-        try:
-            if deterministic:
-                parts = [torch.empty_like(grad) for _ in range(world)]
-                fut = dist.all_gather(parts, grad, group=group, async_op=True).get_future()
-            else:
-                fut = dist.all_reduce(grad, group=group, async_op=True).get_future()
-        except RuntimeError as exc:
-            on_error(exc)
-            return _done(grad)
-
-        def finish(f: torch.futures.Future) -> torch.Tensor:
-            try:
-                f.wait()
-            except RuntimeError as exc:  # the peer is gone; the session rolls this step back
-                on_error(exc)
-                return grad
-            if deterministic:
-                total = parts[0].clone()
-                for part in parts[1:]:
-                    total.add_(part)
-                return total.div_(world)
-            return grad.div_(world)
-
-        return fut.then(finish)
-
-    return hook
+# DistributedDataParallel arguments accepted for a drop-in change and not needed here: devices follow
+# the module, unused parameters add zero, and the bucket layout is fixed anyway
+_IGNORED = frozenset({"device_ids", "output_device", "dim", "find_unused_parameters", "check_reduction",
+                      "gradient_as_bucket_view", "static_graph"})
 
 
 class DataParallel(nn.Module):
-    """A DDP that can be rebuilt for a new process group; state_dict keys are the wrapped net's."""
+    """A data-parallel wrapper whose gradient exchange can be re-attached to each new process group;
+    state_dict keys are the wrapped net's."""
 
-    def __init__(self, module: nn.Module, *, deterministic: bool = True, **ddp_kwargs):
+    instances: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()  # the guard finds the optimizer's model here
+
+    def __init__(self, module: nn.Module, *, broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0,
+                 process_group=None, **ddp_kwargs):
         super().__init__()
+        unknown = set(ddp_kwargs) - _IGNORED
+        if unknown:
+            raise ConfigError(f"DataParallel got unknown arguments {sorted(unknown)}; it takes the module, "
+                              f"broadcast_buffers, bucket_cap_mb and ignores {sorted(_IGNORED)}")
+        if process_group is not None:
+            raise ConfigError("DataParallel(process_group=...) is not supported: trainguard builds a new group for "
+                              "every generation and attaches the wrapper to it; leave process_group out")
         self.module = module
-        self.deterministic = deterministic
-        self._ddp_kwargs = ddp_kwargs
-        object.__setattr__(self, "_ddp", None)  # not a registered child: no duplicate state
+        self.broadcast_buffers = broadcast_buffers
+        # found once: walking the module tree at every forward costs more than a small model's step
+        object.__setattr__(self, "buffers_to_sync", list(module.buffers()) if broadcast_buffers else [])
+        object.__setattr__(self, "sync", GradSync(module, bucket_cap_mb=bucket_cap_mb))
+        object.__setattr__(self, "group", None)
+        self.on_forward: Callable[[], None] | None = None  # the guard starts the job on first use (train/guard.py)
+        DataParallel.instances.add(self)
 
-    def rebuild(self, group: dist.ProcessGroup, on_error: ErrorSink) -> None:
-        """Wrap the same parameters in a DDP for `group` (broadcasts rank 0's state)."""
-        ddp = DDP(self.module, process_group=group, **self._ddp_kwargs)
-        ddp.register_comm_hook(None, make_grad_hook(group, on_error, deterministic=self.deterministic))
-        object.__setattr__(self, "_ddp", ddp)
+    def rebuild(self, group: dist.ProcessGroup) -> None:
+        object.__setattr__(self, "group", group)
+        self.sync.attach(group)
 
     def drop(self) -> None:
-        object.__setattr__(self, "_ddp", None)
+        object.__setattr__(self, "group", None)
+        self.sync.detach()
+
+    def no_sync(self):
+        """As DDP's: gradients accumulate locally until the next backward outside the block."""
+        return self.sync.no_sync()
+
+    def broadcast_from(self, src: int, group: dist.ProcessGroup) -> None:
+        """Every rank takes `src`'s parameters and buffers (a fresh job's start)."""
+        broadcast_module(self.module, src, group)
 
     def forward(self, *args, **kwargs):
-        ddp = self._ddp
-        return ddp(*args, **kwargs) if ddp is not None else self.module(*args, **kwargs)
+        if self.on_forward is not None:
+            self.on_forward()
+        if self.buffers_to_sync and self.group is not None:
+            self._sync_buffers()
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _sync_buffers(self) -> None:
+        try:
+            for b in self.buffers_to_sync:
+                dist.broadcast(b, 0, group=self.group)
+        except RuntimeError as exc:  # recorded: this step's update is skipped at the optimizer
+            self.sync.record(exc)
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+DDP = DataParallel
+DistributedDataParallel = DataParallel

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from ..errors import JobStopped
 from ..exitcodes import EXIT_PREEMPTED
-from .graceful import GOODBYE_PATIENCE_S, StopRequest, signal_name
+from ..signals import signal_name
+from .graceful import GOODBYE_PATIENCE_S, StopRequest
 
 
 class GracefulStop:

@@ -1,29 +1,26 @@
-"""The step loop with recovery points: `for step in session.steps(): with step: ...`.
+"""The commit-or-skip core: `for step in session.steps(): with step: ...`, or driven by the wrappers
+(train/guard.py) from the user's own loop.
 
-Each step ends at a commit point. If anything failed during the step (a collective raised
-inside `with step:`, the gradient hook recorded an error, or the scheduler moved to a new
-generation), the session runs the recovery protocol instead of committing:
+A step is *committed* on a rank when its optimizer update was applied, and the update is applied
+only when the step's gradient exchange completed (the optimizer's step pre-hook raises
+`CollectiveFailed` otherwise). A failed step therefore changes nothing: there is no half-applied
+update and no rollback copy. Ranks may end up one step apart (an all-reduce can complete on some
+ranks and fail on others), and every rank that completed it holds the correct next state. So
+recovery is:
 
-    drop the broken group -> join the next generation -> agree on the restore step ->
-    restore (own snapshot / a peer / disk) -> rebuild DDP -> go on from that step.
+    drop the broken group -> join the next generation -> agree on the newest committed step s
+    -> ranks at s keep their state; the others (a rank one step behind, a replacement) receive
+       it from a rank at s -> rebuild the gradient exchange for the new group -> go on.
 
-Otherwise it commits: counters advance, a snapshot is taken (every `snapshot_every` steps)
-and replicated, and callbacks run. The loop itself never changes for the user.
+Nothing is copied per step. Per-rank state is reduced to nothing: the data position follows from
+the committed step, and the RNG of every rank is re-seeded at each step from (job seed, rank,
+step), so a rank's random stream at step s is known without having been saved. The job seed is
+agreed at the first start (rank 0's `torch.initial_seed()`) and travels with the state.
 
-What a failed step leads to follows the recover strategy (recovery/strategies.py): a rollback
-in process (retry, recover-in-place; at most `max_retries` in a row while nobody was restarted),
-or a stop (exit, dump: train/graceful.py). A stop request (SIGTERM, SIGINT, SIGUSR1) rides on the
-commit point's all-gather, so every rank stops at the same committed step.
-
-Elastic (the world size changes between generations): the data position is global. Progress
-also records the sampler's phase (`base`: where in the epoch's global order it began,
-`phase_start`: the step in the epoch it began at, `shards`: its world size); a restore into
-another world size starts a new phase at the first index not yet consumed (train/data.py), so
-the rest of the epoch is split over the new world. The per-rank batch stays fixed, so the global
-batch follows the world size and an epoch takes more steps in a smaller world; training ends
-after `epochs` epochs (or `max_steps`). A returning node gets the shared state and the progress
-from a peer, and its own RNG state if a snapshot holds one for its node id (else it keeps the
-RNG its script seeded).
+The stop vote (SIGTERM, SIGINT, SIGUSR1) rides in the gradient all-reduce's control slots. What a
+failure leads to follows the recover strategy (recovery/strategies.py): recovery in process, or a
+stop (exit, dump: train/graceful.py). Under elastic, progress also records the sampler's phase
+(train/elastic.py), so a restore into another world size splits the rest of the epoch over it.
 """
 
 from __future__ import annotations
@@ -33,17 +30,18 @@ import time
 from typing import Iterator
 
 from .. import runtime as rt_mod
-from ..checkpoint.blob import pack, pack_flat, unpack
-from ..checkpoint.codec import flatten_state, unflatten_state
+from ..checkpoint.blob import pack, unpack
+from ..checkpoint.codec import flatten_state
 from ..checkpoint.manager import DiskSources
-from ..errors import ClusterFailed, ConfigError, FencedError, RecoveryError, Retriable
+from ..errors import ClusterFailed, CollectiveFailed, ConfigError, FencedError, RecoveryError, Retriable
 from ..recovery.plan import lost_steps
-from ..recovery.transfer import all_gather_flagged, all_max, recv_bytes, send_bytes
+from ..recovery.transfer import all_max, broadcast_int, recv_bytes, send_bytes
 from . import elastic, parallel_strategy
-from .data import ShardedSampler
+from .data import sampler_of
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
-from .snapshots import Snapshot, SnapshotStore
-from .state import TrainState, capture_rng, load_rng
+from .parallel import DataParallel
+from .snapshots import Snapshot
+from .state import TrainState, job_seed, reseed
 from .step import SessionConfig, Step, is_collective_failure
 
 __all__ = ["Session", "SessionConfig", "Step", "is_collective_failure"]
@@ -65,42 +63,45 @@ class Session:
         if env_faults:  # TG_FAULT: chaos-test any job without changing its code
             self.callbacks.append(FaultInjector(env_faults))
         slow_saves_from_env()
-        self.snapshots = SnapshotStore(self.cfg.keep_snapshots)
-        self.step = 0  # completed steps
+        self.injectors = [cb for cb in self.callbacks if hasattr(cb, "on_phase")]
+        self.step = 0  # committed steps
         self.epoch = 0
         self.in_epoch = 0
+        self.seed: int | None = None  # the job's RNG seed, agreed at the first start
+        self.holds_state = False  # False until this process started or restored: a fresh replacement
         self.recoveries = 0
-        self._errors: list[BaseException] = []
+        self.restores = 0  # completed restores (a data iterator made before one is out of date)
+        self.source = ""  # where the last restore took this rank's state from
+        self.user_loop = False  # driven from the user's own loop (guard.py): it decides the end, and a recovery
+        # noticed after a commit waits for the next step
+        self._pending: str | None = None  # a recovery noticed after a commit, deferred to the next step
+        self._error: BaseException | None = None  # recorded by record_error: this step must not commit
+        self._applied = False  # the optimizer applied this step's update
         self._iter = None
-        self._sampler = self._find_sampler(state.loader)
+        self.sampler = sampler_of(state.loader)
         self._pending_report: float | None = None
         self.last_loss = None  # set by the training body (Model.train) for monitors
         self.last_step: Step | None = None
         self.strategy = self.rt.cfg.recover_strategy
         self.stop = StopRequest()
-        self._retries = 0  # in-process rollbacks in a row with nobody restarted
+        self._retries = 0  # in-process recoveries in a row with nobody restarted
         self._members: frozenset | None = None
         self.phase = elastic.Phase()  # the sampler's phase within the epoch (changes only under elastic)
-        self._gen_nodes: tuple[str, ...] = ()  # node ids of this generation, by rank (from the restore agreement)
         self.disk_sources = DiskSources(checkpoint, *self.callbacks)
         self.gasp_savers = [c for c in self.disk_sources if c.saves_dying_gasp]
         if self.strategy.dump and not self.gasp_savers:
             raise ConfigError(f"the recover strategy {self.strategy} dumps a dying-gasp checkpoint on a fault, but "
                               "this session has nowhere to write it: add ModelCheckpoint(..., CheckpointConfig("
                               "exception_save=True)) or ExceptionCheckpoint(...) to its callbacks")
+        self.sync = state.model.sync if isinstance(state.model, DataParallel) else None
+        if self.sync is not None:
+            self.sync.control = lambda: self.stop.signum  # the stop vote rides in the gradient all-reduce
+            self.sync.after_launch = lambda: self.phase_point("in_exchange")
+        if state.optimizer is not None:
+            self._hooks = [state.optimizer.register_step_pre_hook(self._before_update),
+                           state.optimizer.register_step_post_hook(self._after_update)]
 
     # --- data -----------------------------------------------------------------------------
-
-    @staticmethod
-    def _find_sampler(loader) -> ShardedSampler | None:
-        if loader is None:
-            return None
-        sampler = loader.sampler if isinstance(loader.sampler, ShardedSampler) else getattr(
-            loader.batch_sampler, "sampler", None)
-        if not isinstance(sampler, ShardedSampler):
-            raise ConfigError("the loader's sampler must be trainguard.ShardedSampler so that the data position "
-                              "can be restored after a failure: DataLoader(ds, batch_size=B, sampler=ShardedSampler(ds))")
-        return sampler
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -114,16 +115,19 @@ class Session:
             raise ConfigError("without a loader in TrainState, give SessionConfig(max_steps=...)")
         return self.cfg.epochs * self.steps_per_epoch
 
-    def _make_iter(self):
-        self._sampler.set_epoch(self.epoch)
+    def make_iter(self):
+        """A data iterator at the committed position (epoch, in_epoch, phase)."""
+        self.sampler.set_epoch(self.epoch)
         if self.strategy.elastic:  # this generation's sharding of the rest of the epoch
-            self._sampler.set_phase(self.phase.base, self.rt.world_size, self.rt.rank)
-        self._sampler.set_position((self.in_epoch - self.phase.start) * self.state.loader.batch_size)
+            self.sampler.set_phase(self.phase.base, self.rt.world_size, self.rt.rank)
+        self.sampler.set_position((self.in_epoch - self.phase.start) * self.state.loader.batch_size)
         return iter(self.state.loader)
 
-    def _done(self) -> bool:
+    def done(self) -> bool:
         """Training is over: `max_steps` steps, or `epochs` epochs (elastic: an epoch's step count
         follows the world size)."""
+        if self.user_loop:
+            return False
         if self.strategy.elastic and self.cfg.max_steps is None and self.state.loader is not None:
             return self.epoch >= self.cfg.epochs
         return self.step >= self.total_steps
@@ -132,64 +136,120 @@ class Session:
         if self.state.loader is None:
             return None
         if self._iter is None:
-            self._iter = self._make_iter()
+            self._iter = self.make_iter()
         return next(self._iter)
 
     # --- the loop ---------------------------------------------------------------------------
 
     def record_error(self, exc: BaseException) -> None:
-        """Called by the gradient hook: a collective failed during this step."""
-        self._errors.append(exc)
+        """Make this step fail at its commit point (fault injection, a helper's own collective)."""
+        if self._error is None:
+            self._error = exc
 
     def is_retriable(self, exc: BaseException) -> bool:
         return self.strategy.retry and isinstance(exc, (Retriable, *self.cfg.retriable))
 
+    def phase_point(self, name: str) -> None:
+        """Fault injection points inside a step (testing.faults): before/in/after the exchange, in the commit."""
+        for cb in self.injectors:
+            cb.on_phase(self, name)
+
+    def _before_update(self, _opt, _args, _kwargs) -> None:
+        self.phase_point("after_exchange")
+        if self._error is not None:
+            raise self._error
+        if self.sync is not None:
+            self.sync.result()  # raises CollectiveFailed: the update is not applied
+
+    def _after_update(self, _opt, _args, _kwargs) -> None:
+        self._applied = True
+        self.phase_point("in_commit")
+
+    def start(self) -> None:
+        """Join the job's state: fresh, from a peer, or from disk (every rank together)."""
+        self._recover(form=False, reason="")
+        self._members = self.rt.members
+        parallel_strategy.write_for(self)
+        if self.rt.rank == 0 and self.step:  # a rerun (or a replaced rank 0) says where it stands
+            print(f"trainguard: resumed at step {self.step} (epoch {self.epoch}, batch {self.in_epoch}) "
+                  f"from {self.source}", flush=True)
+            if self.done():
+                print(f"trainguard: the training is already complete at step {self.step} ({self.cfg.epochs} "
+                      "epochs): nothing left to train. Raise the epochs, or remove the checkpoints to start over",
+                      flush=True)
+
     def steps(self) -> Iterator[Step]:
         with self.stop.armed():  # SIGTERM/SIGINT/SIGUSR1 now ask for a graceful exit at a commit point
-            self._recover(form=False, reason="")
-            self._members = self.rt.members
-            parallel_strategy.write_for(self)
+            self.start()
             while True:
-                if self._done():
-                    if self._finish():
+                if self.done():
+                    if self.finish():
                         return
                     continue
-                step = Step(self, self.step, self.epoch, self.in_epoch, self._next_batch())
-                self.rt.step = self.step
-                for cb in self.callbacks:
-                    if hasattr(cb, "on_step_begin"):
-                        cb.on_step_begin(self, step)
+                step = self.begin_step(self._next_batch())
                 yield step
-                failure = step.failure or (self._errors[0] if self._errors else None)
-                if failure is None and self.rt.membership_changed():
-                    failure = RuntimeError(f"the cluster moved to generation {self.rt.heart.generation_seen}")
-                if failure is None:
-                    try:
-                        stop = self._commit()
-                    except RuntimeError as exc:
-                        if not is_collective_failure(exc):
-                            raise
-                        failure = exc
-                    else:
-                        if stop and not self._done():  # after the last step: just finish
-                            stop_gracefully(self, stop)
-                        continue
-                reason = f"step {step.index}: {type(failure).__name__}: {str(failure)[:300]}"
-                if not self.strategy.rolls_back:
-                    stop_on_fault(self, reason)
-                self._recover(form=True, reason=reason)
+                self.end_step(step.failure)
 
-    def _commit(self) -> int:
-        """Commit the step; returns the stop vote (a signal number if any rank was asked to stop, else 0)."""
+    def before_step(self) -> None:
+        """Run a recovery deferred from the last commit (hand-written loops)."""
+        if self._pending is not None:
+            reason, self._pending = self._pending, None
+            self._recover(form=True, reason=reason)
+
+    def begin_step(self, batch=None) -> Step:
+        step = Step(self, self.step, self.epoch, self.in_epoch, batch)
+        self._applied, self._error = False, None
+        self.rt.step = self.step
+        for cb in self.callbacks:
+            if hasattr(cb, "on_step_begin"):
+                cb.on_step_begin(self, step)
+        self.phase_point("before_exchange")
+        return step
+
+    def end_step(self, failure: BaseException | None) -> None:
+        """The commit point: commit (if the update was applied, or there is none to apply) or skip, then
+        recover if anything failed or the cluster moved on."""
+        failure = failure or self._error
+        if failure is None or self._applied:
+            self._advance()
+        if failure is None:
+            try:
+                stop = self._after_commit()
+            except CollectiveFailed as exc:
+                failure = exc
+            else:
+                if stop and not self.done():  # after the last step: just finish
+                    stop_gracefully(self, stop)
+                if self.rt.membership_changed():
+                    self._recover_after(committed=True, reason="")
+                return
+        reason = f"step {self.step}: {type(failure).__name__}: {str(failure)[:300]}"
+        if not self.strategy.rolls_back:
+            stop_on_fault(self, reason)
+        self._recover_after(committed=self._applied, reason=reason)
+
+    def _recover_after(self, *, committed: bool, reason: str) -> None:
+        if committed and self.user_loop:  # let the user's code after optimizer.step() run first
+            self._pending = reason
+        else:
+            self._recover(form=True, reason=reason)
+
+    def _advance(self) -> None:
+        """This rank's state is now at the next step: count it and seed the next step's RNG."""
         self.step += 1
         self.in_epoch += 1
-        self._retries = 0
         if self.steps_per_epoch and self.in_epoch - self.phase.start >= self.steps_per_epoch:
             self.epoch, self.in_epoch, self._iter = self.epoch + 1, 0, None
             self.phase = elastic.Phase(shards=self.rt.world_size)
-        if self.step % self.cfg.snapshot_every == 0 or self.in_epoch == 0 or self._done():
-            stop = self._snapshot()
-        else:
+        reseed(self.seed, self.rt.rank, self.step)
+
+    def _after_commit(self) -> int:
+        """Events and callbacks of a committed step; returns the stop vote (a signal number or 0)."""
+        self._retries = 0
+        sync = self.sync
+        if sync is not None and sync.controls_fresh():
+            stop = max(sync.controls)
+        else:  # no gradient exchange this step carried the vote
             stop = all_max(self.stop.signum, self.rt.group)
         if self._pending_report is not None:
             took = time.monotonic() - self._pending_report
@@ -200,23 +260,20 @@ class Session:
             cb.on_step_end(self)
         return stop
 
-    def _progress(self) -> dict:
+    def progress(self) -> dict:
         progress = {"step": self.step, "epoch": self.epoch, "in_epoch": self.in_epoch}
         if self.strategy.elastic:
             progress.update(self.phase.as_dict(self.rt.world_size))
         return progress
 
-    def _snapshot(self) -> int:
-        """Snapshot and replicate this step (a collective); returns the stop vote that rode along."""
+    def capture(self) -> Snapshot:
+        """A private copy of the committed state, for a checkpoint (the copy is all an async save blocks on).
+        Data-parallel ranks hold the same state and progress, so every rank's part is the same."""
         tensors, meta = flatten_state(self.state.capture_shared(), copy=True)
-        own = pack({"rng": capture_rng(), "progress": self._progress()})
-        snap = Snapshot(self.step, tensors, meta, own, nodes=self._gen_nodes)
-        self.snapshots.put(snap)
-        blobs, stop = all_gather_flagged(own, self.stop.signum, self.rt.group)
-        snap.ranks = dict(enumerate(blobs))
-        return stop
+        own = pack({"progress": self.progress(), "seed": self.seed})
+        return Snapshot(self.step, tensors, meta, own, ranks=dict.fromkeys(range(self.rt.world_size), own))
 
-    def _finish(self) -> bool:
+    def finish(self) -> bool:
         """The last barrier: everyone reached the end, or a late failure sends us back to recover."""
         try:
             self.rt.client.agree(self.rt.generation, "finish", {"step": self.step}, self.cfg.agree_timeout)
@@ -228,11 +285,11 @@ class Session:
     # --- recovery ---------------------------------------------------------------------------
 
     def _report(self) -> dict:
-        return {"memory": self.snapshots.report(), "disk": self.disk_sources.complete_steps(),
+        return {"step": self.step if self.holds_state else None, "disk": self.disk_sources.complete_steps(),
                 "node": self.rt.node_id}
 
     def _count_retry(self, reason: str) -> None:
-        """A rollback with the same processes as before is a retry; past the limit, escalate."""
+        """A recovery with the same processes as before is a retry; past the limit, escalate."""
         same = self.rt.members == self._members
         self._members = self.rt.members
         self._retries = self._retries + 1 if same else 0
@@ -254,7 +311,7 @@ class Session:
         while True:
             try:
                 if form:
-                    if hasattr(self.state.model, "drop"):
+                    if self.sync is not None:
                         self.state.model.drop()
                     rt.drop_group()  # peers blocked in a collective with us fail now, not at its timeout
                     if reason and not reported:
@@ -276,11 +333,9 @@ class Session:
                 stop_on_fault(self, str(exc))
             except FencedError as exc:
                 log.warning("rank %d: %s; regrouping", rt.rank, exc)
-            except RuntimeError as exc:
-                if not is_collective_failure(exc):
-                    raise
+            except CollectiveFailed as exc:
                 log.warning("rank %d: failure during recovery (%s); regrouping", rt.rank, str(exc)[:200])
-        self._errors.clear()
+        self._error = None
         took = time.monotonic() - t0
         if self.recoveries:
             self._pending_report = t0
@@ -292,44 +347,51 @@ class Session:
         rt = self.rt
         s = int(decision["step"])
         sources = decision["sources"]
-        mine = sources[str(rt.rank)]
-        kind = mine["kind"]
-        per = None
-        if kind == "self":
-            snap = self.snapshots.get(s)
-            self.state.load_shared(unflatten_state(snap.tensors, snap.meta))
-            per = unpack(snap.own)
-        elif kind == "peer":
-            self.state.load_shared(unpack(recv_bytes(mine["peer"], rt.group), "peer state"))
-            per = unpack(recv_bytes(mine["peer"], rt.group), "peer rank state")
+        kind = sources[str(rt.rank)]["kind"]
+        own = None
+        if kind == "peer":
+            blob = unpack(recv_bytes(sources[str(rt.rank)]["peer"], rt.group), "peer state")
+            self.state.load_shared(blob["shared"])
+            own = blob["own"]
         elif kind == "disk":
             loaded = self.disk_sources.load(s)
             self.state.load_shared(loaded["shared"])
-            per = loaded["own"]
-        if kind == "self":  # serve the ranks that take their state from us
-            snap = self.snapshots.get(s)
-            for q in sorted(int(r) for r, src in sources.items() if src.get("peer") == rt.rank):
-                send_bytes(pack_flat(snap.tensors, snap.meta), q, rt.group)
-                if self.strategy.elastic:  # ranks may have moved: that node's own state, by node id
-                    send_bytes(elastic.rank_blob(snap, decision.get("nodes", {}).get(str(q))), q, rt.group)
-                else:
-                    send_bytes(snap.ranks[q], q, rt.group)
-        self.snapshots.drop_after(s)
-        if hasattr(self.state.model, "rebuild"):
-            self.state.model.rebuild(rt.group, self.record_error)
-        progress = per["progress"] if per else {"step": 0, "epoch": 0, "in_epoch": 0}
-        self.step, self.epoch, self.in_epoch = progress["step"], progress["epoch"], progress["in_epoch"]
-        self._gen_nodes = elastic.generation_nodes(decision)
-        self.phase = elastic.Phase.of(progress, rt.world_size)
-        if self.strategy.elastic and self._sampler is not None:
+            own = loaded["own"]
+        elif kind == "init":  # a fresh job: everyone starts from rank 0's parameters and seed
+            if self.sync is not None:
+                self.state.model.broadcast_from(0, rt.group)
+            self.seed = broadcast_int(job_seed(), 0, rt.group)
+        serve = sorted(int(r) for r, src in sources.items() if src.get("peer") == rt.rank)
+        if serve:
+            blob = pack({"shared": self.state.capture_shared(), "own": {"progress": self.progress(), "seed": self.seed}})
+            for q in serve:
+                send_bytes(blob, q, rt.group)
+        if own is not None:
+            self._take_progress(own)
+        elif not self.phase.shards:  # a fresh start: the phase of this world
+            self.phase = elastic.Phase.of({}, rt.world_size)
+        if self.sync is not None:
+            self.state.model.rebuild(rt.group)
+        self.holds_state = True
+        self.restores += 1
+        if self.strategy.elastic and self.sampler is not None:
             self.phase = elastic.reshard(self, self.phase)  # a new world size: split the rest of the epoch
         self._iter = None
-        if self.state.loader is not None and self.in_epoch > 0:
-            self._iter = self._make_iter()  # creating an iterator draws from the RNG: do it before restoring
-        if per is not None and per.get("rng") is not None:  # none: a returning node keeps its own (elastic)
-            load_rng(per["rng"])
-        self._snapshot()  # every rank holds (and has replicated) the restore step from here on
+        if self.state.loader is not None and self.in_epoch > 0 and not self.user_loop:
+            self._iter = self.make_iter()  # creating an iterator draws from the RNG: do it before seeding
+        reseed(self.seed, rt.rank, self.step)
+        self.source = {"self": "its own state", "peer": f"rank {sources[str(rt.rank)].get('peer')}",
+                       "disk": "the checkpoint on disk", "init": "a fresh start"}[kind]
         rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind)
         if rt.rank == 0:
             rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.get("from_step"),
                            fresh=decision.get("fresh", False))
+
+    def _take_progress(self, own: dict) -> None:
+        progress = own["progress"]
+        self.step, self.epoch, self.in_epoch = progress["step"], progress["epoch"], progress["in_epoch"]
+        self.phase = elastic.Phase.of(progress, self.rt.world_size)
+        if own.get("seed") is not None:
+            self.seed = int(own["seed"])
+        elif self.seed is None:  # a checkpoint from before seeds were saved
+            self.seed = 0

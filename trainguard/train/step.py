@@ -1,9 +1,13 @@
 """One step of the loop and the session's configuration.
 
-`with step:` catches what the session can recover from inside the step: a failed collective,
-any exception once the cluster has moved to a new generation, and, with the retry recover
-strategy, exceptions marked retriable (`trainguard.Retriable`, `SessionConfig(retriable=...)`).
-The session decides what to do about it at the step's commit point.
+`with step:` catches what the session can recover from inside the step, classified by type, never
+by message text:
+  - `CollectiveFailed`: a collective trainguard issued failed (the gradient exchange, raised where
+    the optimizer was about to step, so nothing was applied), and torch's own typed `DistError`;
+  - with the retry recover strategy, exceptions marked retriable (`trainguard.Retriable`,
+    `SessionConfig(retriable=...)`).
+Anything else is the user's error and propagates, also after the cluster moved to a new
+generation. The session decides what to do at the step's commit point.
 """
 
 from __future__ import annotations
@@ -13,27 +17,26 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..errors import CollectiveFailed, ConfigError
 
 if TYPE_CHECKING:
     from .session import Session
 
-_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
-                       "timeout", "socket")
+_TYPED = (CollectiveFailed, *((dist.DistError,) if hasattr(dist, "DistError") else ()))
 
 
 def is_collective_failure(exc: BaseException) -> bool:
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _COLLECTIVE_MARKERS)
+    """A failed collective: ours (CollectiveFailed) or torch's typed DistError. A plain RuntimeError is
+    not one, whatever its text says (a DataLoader timeout is a RuntimeError too)."""
+    return isinstance(exc, _TYPED)
 
 
 @dataclass(kw_only=True, slots=True)
 class SessionConfig:
     epochs: int = 1
     max_steps: int | None = None  # stop after this many steps in all (default: epochs x steps per epoch)
-    snapshot_every: int = 1  # in-memory snapshot every k steps
-    keep_snapshots: int = 2
+    snapshot_every: int = 1  # accepted for compatibility; commit-or-skip takes no snapshots
+    keep_snapshots: int = 2  # accepted for compatibility
     agree_timeout: float = 600.0
     retriable: tuple[type[BaseException], ...] = ()  # with the retry strategy these redo the step in process
 
@@ -66,7 +69,7 @@ class Step:
     def __exit__(self, tp, exc, tb) -> bool:
         if exc is None:
             return False
-        if is_collective_failure(exc) or self.session.rt.membership_changed() or self.session.is_retriable(exc):
+        if is_collective_failure(exc) or self.session.is_retriable(exc):
             self.failure = exc
             return True
         return False

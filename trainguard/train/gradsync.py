@@ -1,0 +1,228 @@
+"""The gradient exchange: a bucketed all-reduce over a layout fixed once from the parameters.
+
+Why it is deterministic. A ring (or halving-doubling) all-reduce adds the ranks' values in an
+order that depends on where an element sits in the buffer being reduced: gloo splits the buffer
+into chunks by size and offset, and each chunk's sum starts at another rank. The same buffer
+layout gives the same order, and so the same bits, in every separately built process group
+(checked with 3 and 4 ranks on torch 2.13); move a tensor to another offset and the bits change.
+DDP re-buckets after its first iteration by the order gradients became ready, so its layout is
+not a function of the model alone. Here the layout is: parameters in reverse registration order
+(the order backward usually produces them), split into buckets of at most `bucket_cap_mb`
+(the first one `first_bucket_mb`, as DDP does, so communication starts early), by dtype and
+device. It never changes for a given model and world size, so every incarnation of every rank,
+and every rebuilt group, sums in the same order.
+
+Overlap. A post-accumulate-grad hook copies each gradient into its bucket; a bucket is launched
+(async all-reduce) as soon as all its gradients are in and every earlier bucket is launched, so
+every rank issues the same collectives in the same order. At the end of backward the remaining
+buckets are launched (missing gradients count as zero), everything is waited for, and the mean
+is copied back into `param.grad`.
+
+Commit-or-skip. Nothing here raises inside backward: a failed collective is recorded
+(`CollectiveFailed`, the original as its cause) and `result()` raises it where the optimizer is
+about to step, so a failed exchange never leads to an update.
+
+Control slots. The last bucket (if float32 or float64; otherwise one small extra buffer) carries
+`world_size` more elements: rank r writes its control value (the stop vote: a signal number or 0)
+into slot r and zeros elsewhere. The sum hands every rank every rank's value at no extra
+collective; integers below 2**24 add exactly.
+
+Virtual ranks (not built). The sum is over physical ranks, so a run stays bit-identical only at
+the same world size. Defining it over a fixed number V of data shards instead (each rank reducing
+its V/W shards' gradients locally, in shard order, then an all-gather of per-shard sums added in
+shard order) would keep `elastic` runs bit-identical across world sizes, at the price of the
+all-gather's traffic; see docs/ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import CollectiveFailed
+
+MB = 1 << 20
+CONTROL_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(slots=True)
+class Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]
+    size: int  # elements of gradient (control slots come after, in the control bucket only)
+    dtype: torch.dtype
+    device: torch.device
+    buffer: torch.Tensor | None = None
+    missing: int = 0  # gradients not yet in, this backward
+    arrived: list[bool] = field(default_factory=list)
+
+
+def plan_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
+    """The fixed layout (pure): reverse registration order, split by dtype/device and size."""
+    buckets: list[Bucket] = []
+    current: Bucket | None = None
+    for p in reversed(params):
+        cap = first_cap_bytes if len(buckets) == 1 else cap_bytes  # the current bucket is the first one
+        full = current is not None and (current.size + p.numel()) * p.element_size() > cap
+        if current is None or current.dtype != p.dtype or current.device != p.device or full:
+            current = Bucket([], [], 0, p.dtype, p.device)
+            buckets.append(current)
+        current.params.append(p)
+        current.offsets.append(current.size)
+        current.size += p.numel()
+    return buckets
+
+
+class GradSync:
+    """Hooks on `module`'s parameters; `attach(group)` for each generation, `detach()` between."""
+
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0):
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = plan_buckets(params, int(bucket_cap_mb * MB), int(first_bucket_mb * MB))
+        self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
+        self.group: dist.ProcessGroup | None = None
+        self.world = 1
+        self.rank = 0
+        self.control: Callable[[], int] = lambda: 0  # this rank's control value, read as the last bucket leaves
+        self.after_launch: Callable[[], None] | None = None  # called once per backward, after the first launch
+        self.controls: list[int] = []  # every rank's control value from the last completed exchange
+        self.error: CollectiveFailed | None = None
+        self.enabled = True  # False inside no_sync()
+        self._control: torch.Tensor | None = None  # the extra buffer, when the last bucket cannot carry slots
+        self._works: list = []
+        self._launched = 0
+        self._in_pass = False
+        self._synced = False  # an exchange completed since the last result()
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    # --- generations ----------------------------------------------------------------------
+
+    def attach(self, group: dist.ProcessGroup) -> None:
+        self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        last = self.buckets[-1] if self.buckets else None
+        carries = last is not None and last.dtype in CONTROL_DTYPES
+        for b in self.buckets:
+            extra = self.world if b is last and carries else 0
+            if b.buffer is None or b.buffer.numel() != b.size + extra:
+                b.buffer = torch.zeros(b.size + extra, dtype=b.dtype, device=b.device)
+        device = last.device if last is not None else torch.device("cpu")
+        self._control = None if carries else torch.zeros(self.world, dtype=torch.float32, device=device)
+        self._reset()
+
+    def detach(self) -> None:
+        self.group = None
+        self._reset()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _reset(self) -> None:
+        self._works, self._launched, self._in_pass, self._synced = [], 0, False, False
+        self.error = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate locally; the next backward outside exchanges the sum (as DDP's no_sync)."""
+        before, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = before
+
+    # --- one backward -----------------------------------------------------------------------
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self.group is None or not self.enabled:
+            return
+        if not self._in_pass:
+            self._begin()
+        b, i = self._where[id(p)]
+        bucket = self.buckets[b]
+        if bucket.arrived[i]:
+            return
+        off = bucket.offsets[i]
+        bucket.buffer[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        bucket.arrived[i] = True
+        bucket.missing -= 1
+        self._launch_ready()
+
+    def _begin(self) -> None:
+        self._in_pass, self._launched, self._works, self._synced = True, 0, [], False
+        for b in self.buckets:
+            b.missing, b.arrived = len(b.params), [False] * len(b.params)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _launch_ready(self) -> None:
+        while self._launched < len(self.buckets) and self.buckets[self._launched].missing == 0:
+            self._launch(self._launched)
+            self._launched += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        if b == len(self.buckets) - 1:
+            slots = bucket.buffer[bucket.size:] if self._control is None else self._control
+            slots.zero_()
+            slots[self.rank] = float(self.control())
+        if self.error is not None:
+            return
+        try:
+            self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+            if b == len(self.buckets) - 1 and self._control is not None:
+                self._works.append(dist.all_reduce(self._control, group=self.group, async_op=True))
+        except RuntimeError as exc:
+            self._fail(exc)
+        if b == 0 and self.after_launch is not None:
+            self.after_launch()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = CollectiveFailed(f"the gradient exchange failed: {exc}")
+            self.error.__cause__ = exc
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left, wait, and hand the mean back to the gradients."""
+        self._in_pass = False
+        for bucket in self.buckets[self._launched:]:
+            for i, p in enumerate(bucket.params):
+                if not bucket.arrived[i]:  # no gradient this pass: it adds zero
+                    bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + p.numel()].zero_()
+            bucket.missing = 0
+        self._launch_ready()
+        for work in self._works:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                self._fail(exc)
+        self._works = []
+        if self.error is not None:
+            return
+        slots = self.buckets[-1].buffer[self.buckets[-1].size:] if self._control is None else self._control
+        self.controls = [int(v) for v in slots.tolist()]
+        for bucket in self.buckets:
+            for p, off in zip(bucket.params, bucket.offsets):
+                if p.grad is not None:
+                    torch.div(bucket.buffer[off:off + p.numel()].view(p.grad.shape), self.world, out=p.grad)
+        self._synced = True
+
+    # --- the commit point -----------------------------------------------------------------------
+
+    def result(self) -> None:
+        """Raise CollectiveFailed if this step's exchange failed (the optimizer must not step)."""
+        if self.error is not None:
+            raise self.error
+
+    def controls_fresh(self) -> bool:
+        """True once per completed exchange: `controls` are this step's."""
+        fresh, self._synced = self._synced, False
+        return fresh
+
+    def record(self, exc: BaseException) -> None:
+        """A collective of ours outside backward failed (e.g. the buffer broadcast in forward)."""
+        self._fail(exc)
