@@ -50,11 +50,15 @@ def restored_from_disk(out: Path) -> dict[int, int]:
     return {e["rank"]: e["step"] for e in events(out) if e["event"] == "restored" and e["source"] == "disk"}
 
 
-def check_same_as(out: Path, baseline) -> None:
+def check_same_as(out: Path, baseline, *, killed: int | None = None) -> None:
+    """Same losses and final states as the baseline. A `killed` rank may lack the loss of the one step it
+    died in: when its peers committed that step (commit-or-skip), its replacement resumes after it."""
     got_losses = losses(out)
     for rank in range(2):
-        assert sorted(got_losses[rank]) == list(range(STEPS))
-        assert got_losses[rank] == baseline["losses"][rank], f"rank {rank}: the loss curve differs"
+        got, want = got_losses[rank], baseline["losses"][rank]
+        missing = sorted(set(range(STEPS)) - set(got))
+        assert len(missing) <= (1 if rank == killed else 0), f"rank {rank}: no loss logged for steps {missing}"
+        assert got == {s: v for s, v in want.items() if s in got}, f"rank {rank}: the loss curve differs"
         assert_identical(finals(out, 2)[rank], baseline["finals"][rank], f"rank {rank}")
 
 
@@ -132,7 +136,7 @@ def test_kill_9_of_a_worker_mid_write_leaves_that_checkpoint_out(baseline, tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restarting worker 1" in proc.stderr
     assert complete(tmp_path) == [4, 12, 16, 20, 24]
-    check_same_as(tmp_path, baseline)
+    check_same_as(tmp_path, baseline, killed=1)
     all_verify(tmp_path)
 
 

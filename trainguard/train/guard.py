@@ -281,8 +281,9 @@ def start_epoch(default: int = 0) -> int:
     if not session.step:  # a fresh job: the script's own resume point (its weights were broadcast from rank 0)
         session.epoch = max(session.epoch, default)
         return session.epoch
-    if default and default != session.epoch and session.rt.rank == 0:
-        print(f"trainguard: the script's own resume code says epoch {default}, but the job's state is at epoch "
-              f"{session.epoch} (step {session.step}); trainguard's restore wins. Remove the script's own snapshot "
-              "loading, or keep it for runs without trainguard", file=sys.stderr, flush=True)
+    if default:  # the script's own resume code ran, and what it loaded was just replaced
+        print(f"trainguard: rank {session.rt.rank}: trainguard's restore (step {session.step}: epoch {session.epoch}, "
+              f"batch {session.in_epoch}, from {session.source}) overrides the script's own resume point (epoch "
+              f"{default}). Remove the script's own snapshot loading, or keep it for runs without trainguard",
+              file=sys.stderr, flush=True)
     return session.epoch
