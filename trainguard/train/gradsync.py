@@ -7,9 +7,9 @@ layout gives the same order, and so the same bits, in every separately built pro
 (checked with 3 and 4 ranks on torch 2.13); move a tensor to another offset and the bits change.
 DDP re-buckets after its first iteration by the order gradients became ready, so its layout is
 not a function of the model alone. Here the layout is: parameters in reverse registration order
-(the order backward usually produces them), split into buckets of at most `bucket_cap_mb`
-(the first one `first_bucket_mb`, as DDP does, so communication starts early), by dtype and
-device. It never changes for a given model and world size, so every incarnation of every rank,
+(the order backward usually produces them), split by dtype and device into buckets closed once
+they reach `bucket_cap_mb` (the first one `first_bucket_mb`, as DDP does, so communication starts
+early). It never changes for a given model and world size, so every incarnation of every rank,
 and every rebuilt group, sums in the same order.
 
 Overlap. A post-accumulate-grad hook copies each gradient into its bucket; a bucket is launched
@@ -63,18 +63,20 @@ class Bucket:
 
 
 def plan_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
-    """The fixed layout (pure): reverse registration order, split by dtype/device and size."""
+    """The fixed layout (pure): reverse registration order, split by dtype/device and size. As DDP's
+    assignment does, a bucket is closed once it reaches its cap (the first one's is small), so a large
+    gradient closes its bucket and starts communicating while backward goes on with earlier layers."""
     buckets: list[Bucket] = []
     current: Bucket | None = None
     for p in reversed(params):
-        cap = first_cap_bytes if len(buckets) == 1 else cap_bytes  # the current bucket is the first one
-        full = current is not None and (current.size + p.numel()) * p.element_size() > cap
-        if current is None or current.dtype != p.dtype or current.device != p.device or full:
+        if current is None or current.dtype != p.dtype or current.device != p.device:
             current = Bucket([], [], 0, p.dtype, p.device)
             buckets.append(current)
         current.params.append(p)
         current.offsets.append(current.size)
         current.size += p.numel()
+        if current.size * p.element_size() >= (first_cap_bytes if len(buckets) == 1 else cap_bytes):
+            current = None
     return buckets
 
 
