@@ -75,7 +75,6 @@ class Session:
         self.user_loop = False  # driven from the user's own loop (guard.py): it decides the end, and a recovery
         # noticed after a commit waits for the next step
         self._pending: str | None = None  # a recovery noticed after a commit, deferred to the next step
-        self._error: BaseException | None = None  # recorded by record_error: this step must not commit
         self._applied = False  # the optimizer applied this step's update
         self._iter = None
         self.sampler = sampler_of(state.loader)
@@ -141,11 +140,6 @@ class Session:
 
     # --- the loop ---------------------------------------------------------------------------
 
-    def record_error(self, exc: BaseException) -> None:
-        """Make this step fail at its commit point (fault injection, a helper's own collective)."""
-        if self._error is None:
-            self._error = exc
-
     def is_retriable(self, exc: BaseException) -> bool:
         return self.strategy.retry and isinstance(exc, (Retriable, *self.cfg.retriable))
 
@@ -156,8 +150,6 @@ class Session:
 
     def _before_update(self, _opt, _args, _kwargs) -> None:
         self.phase_point("after_exchange")
-        if self._error is not None:
-            raise self._error
         if self.sync is not None:
             self.sync.result()  # raises CollectiveFailed: the update is not applied
 
@@ -198,7 +190,7 @@ class Session:
 
     def begin_step(self, batch=None) -> Step:
         step = Step(self, self.step, self.epoch, self.in_epoch, batch)
-        self._applied, self._error = False, None
+        self._applied = False
         self.rt.step = self.step
         for cb in self.callbacks:
             if hasattr(cb, "on_step_begin"):
@@ -209,7 +201,6 @@ class Session:
     def end_step(self, failure: BaseException | None) -> None:
         """The commit point: commit (if the update was applied, or there is none to apply) or skip, then
         recover if anything failed or the cluster moved on."""
-        failure = failure or self._error
         if failure is None or self._applied:
             self._advance()
         if failure is None:
@@ -335,7 +326,6 @@ class Session:
                 log.warning("rank %d: %s; regrouping", rt.rank, exc)
             except CollectiveFailed as exc:
                 log.warning("rank %d: failure during recovery (%s); regrouping", rt.rank, str(exc)[:200])
-        self._error = None
         took = time.monotonic() - t0
         if self.recoveries:
             self._pending_report = t0
