@@ -69,7 +69,9 @@ def test_kill_9_of_a_worker_is_bit_identical(tmp_path, baseline):
 
 
 def test_sigterm_then_the_same_command_again_is_bit_identical(tmp_path, baseline):
-    proc = subprocess.Popen(command(tmp_path), cwd=REPO, env=env(), stdout=subprocess.PIPE,
+    # 0.15 s more per step (results unchanged): the whole job takes well under a second, so without it the
+    # SIGTERM could land after the last step (then there is nothing to stop)
+    proc = subprocess.Popen(command(tmp_path), cwd=REPO, env=env(TG_FAULT_SLOW_STEP="0.15"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (tmp_path / "snapshot.pt").exists(), 180, "the script's snapshot of epoch 1")

@@ -16,6 +16,9 @@ MTTR is measured from.
 TG_FAULT_SLOW_SAVE=S makes every dying-gasp checkpoint file take S seconds longer to write (it
 sleeps after each file, before the manifest): a save the grace period cannot hold.
 
+TG_FAULT_SLOW_STEP=S makes every step of every rank take S seconds longer (a sleep after it commits):
+a job slow enough that a test's signal surely lands before its end. Results are unchanged.
+
 TG_FAULT_DISK_FULL="rank:step,..." makes that rank's checkpoint file of that step fail as a full
 disk does: part of the file is written, then OSError(ENOSPC). Training must go on.
 """
@@ -35,6 +38,7 @@ from ..train.callbacks import Callback
 FAULT_ENV = "TG_FAULT"
 SLOW_SAVE_ENV = "TG_FAULT_SLOW_SAVE"
 DISK_FULL_ENV = "TG_FAULT_DISK_FULL"
+SLOW_STEP_ENV = "TG_FAULT_SLOW_STEP"
 PHASES = {"kill-before": "before_exchange", "kill-exchange": "in_exchange", "kill-after": "after_exchange",
           "kill-commit": "in_commit"}  # Session.phase_point names
 HOWS = ("kill", "term", "stop", "raise", "sched", "collective", *PHASES)
@@ -101,6 +105,41 @@ class FaultInjector(Callback):
         for f in self.faults:
             if f.how != "collective" and f.how not in PHASES and self._due(f, session):
                 fire(f, session.rt)
+
+
+class SlowSteps(Callback):
+    """Every committed step sleeps `seconds` (TG_FAULT_SLOW_STEP)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step_end(self, session) -> None:
+        time.sleep(self.seconds)
+
+
+def env_callbacks(env=None) -> list[Callback]:
+    """The test hooks the environment asks for (TG_FAULT, TG_FAULT_SLOW_STEP), and the save hooks
+    (TG_FAULT_SLOW_SAVE, TG_FAULT_DISK_FULL) installed: chaos-test any job without changing its code."""
+    env = os.environ if env is None else env
+    callbacks: list[Callback] = []
+    faults = faults_from_env(env)
+    if faults:
+        callbacks.append(FaultInjector(faults))
+    slow = env.get(SLOW_STEP_ENV, "").strip()
+    if slow:
+        callbacks.append(SlowSteps(_seconds(SLOW_STEP_ENV, slow)))
+    slow_saves_from_env(env)
+    return callbacks
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"{name}={raw!r} is invalid: expected a number of seconds > 0")
+    return seconds
 
 
 def fire(f: Fault, rt) -> None:
@@ -177,10 +216,4 @@ def slow_saves_from_env(env=None) -> None:
     raw = (os.environ if env is None else env).get(SLOW_SAVE_ENV, "").strip()
     if not raw:
         return
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise ConfigError(f"{SLOW_SAVE_ENV}={raw!r} is invalid: expected a number of seconds > 0")
-    slow_dying_gasp_writes(seconds)
+    slow_dying_gasp_writes(_seconds(SLOW_SAVE_ENV, raw))

@@ -57,12 +57,9 @@ class Session:
         self.rt = runtime or rt_mod.current()
         self.checkpoint = checkpoint  # a DiskCheckpointer (ModelCheckpoint) or None
         self.callbacks = list(callbacks)
-        from ..testing.faults import FaultInjector, faults_from_env, slow_saves_from_env
+        from ..testing.faults import env_callbacks
 
-        env_faults = faults_from_env()
-        if env_faults:  # TG_FAULT: chaos-test any job without changing its code
-            self.callbacks.append(FaultInjector(env_faults))
-        slow_saves_from_env()
+        self.callbacks += env_callbacks()  # TG_FAULT*: chaos-test any job without changing its code
         self.injectors = [cb for cb in self.callbacks if hasattr(cb, "on_phase")]
         self.step = 0  # committed steps
         self.epoch = 0
