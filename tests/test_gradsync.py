@@ -28,3 +28,67 @@ def test_the_layout_is_a_function_of_the_parameters_only():
 def test_dtypes_never_share_a_bucket():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     assert [len(b) for b in layout(model)] == [2, 2]
+
+
+# --- the exchange itself, on 3 real processes (gloo) ---------------------------------------------------
+
+
+def _exchange(rank: int, world: int, init: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainguard.train.gradsync import GradSync
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = mlp(40)
+    sync = GradSync(model, bucket_cap_mb=0.004, first_bucket_mb=0.001)  # several buckets
+    sync.attach(dist.group.WORLD)
+    torch.manual_seed(1 + rank)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    loss_fn = nn.CrossEntropyLoss()
+    results = {}
+    for mode in ("none", "zeros", "accumulate"):
+        for p in model.parameters():
+            p.grad = None if mode == "none" else (torch.zeros_like(p) if p.grad is None else p.grad.zero_())
+        if mode == "accumulate":  # two halves, the first without exchange: the sum of both is exchanged
+            with sync.no_sync():
+                loss_fn(model(x[:4]), y[:4]).backward()
+            (loss_fn(model(x[4:]), y[4:])).backward()
+        else:
+            (2 * loss_fn(model(x), y)).backward()  # the same gradient as the two halves' sum
+        sync.result()
+        results[mode] = [p.grad.clone() for p in model.parameters()]
+        views = {v.data_ptr() for b in sync.buckets for v in b.views}
+        results[mode + "_is_view"] = all(p.grad.data_ptr() in views for p in model.parameters())
+    # this rank's own gradient, exchanged by hand, for the expected mean
+    for p in model.parameters():
+        p.grad = None
+    sync.enabled = False
+    (2 * loss_fn(model(x), y)).backward()
+    own = [p.grad.clone() for p in model.parameters()]
+    for g in own:
+        dist.all_reduce(g)
+    results["expected"] = [g / world for g in own]
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_three_ranks_get_the_mean_in_views_of_the_buckets(tmp_path):
+    """Whether the grads were set to None, zeroed in place (autograd then accumulates into the bucket), or
+    accumulated over no_sync: every rank gets the same mean, and each grad is a view of its bucket."""
+    import torch
+    import torch.multiprocessing as mp
+
+    world = 3
+    mp.start_processes(_exchange, args=(world, f"file://{tmp_path}/store", str(tmp_path)), nprocs=world,
+                       start_method="spawn")
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for r in range(world):
+        assert got[r]["none_is_view"] and got[r]["zeros_is_view"] and got[r]["accumulate_is_view"]
+        for mode in ("none", "zeros", "accumulate"):
+            for a, b, e in zip(got[r][mode], got[0]["none"], got[r]["expected"]):
+                assert torch.allclose(a, e, atol=1e-6)  # the mean
+                if mode != "accumulate":  # the same sums in the same layout: the same bits on every rank
+                    assert torch.equal(a, b)

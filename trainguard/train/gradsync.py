@@ -12,11 +12,14 @@ they reach `bucket_cap_mb` (the first one `first_bucket_mb`, as DDP does, so com
 early). It never changes for a given model and world size, so every incarnation of every rank,
 and every rebuilt group, sums in the same order.
 
-Overlap. A post-accumulate-grad hook copies each gradient into its bucket; a bucket is launched
-(async all-reduce) as soon as all its gradients are in and every earlier bucket is launched, so
-every rank issues the same collectives in the same order. At the end of backward the remaining
-buckets are launched (missing gradients count as zero), everything is waited for, and the mean
-is copied back into `param.grad`.
+Overlap. A post-accumulate-grad hook copies each gradient into its bucket and makes `param.grad`
+a view of its place there (DDP's gradient_as_bucket_view: no copy back, no second gradient
+buffer; when the grad already is that view, as after zero_grad(set_to_none=False), autograd
+accumulated into the bucket and nothing is copied). A bucket is launched (async all-reduce) as
+soon as all its gradients are in and every earlier bucket is launched, so every rank issues the
+same collectives in the same order. At the end of backward the remaining buckets are launched
+(missing gradients count as zero), everything is waited for, and each bucket is divided by the
+world size in place: the grads, its views, hold the mean.
 
 Commit-or-skip. Nothing here raises inside backward: a failed collective is recorded
 (`CollectiveFailed`, the original as its cause) and `result()` raises it where the optimizer is
@@ -58,6 +61,8 @@ class Bucket:
     dtype: torch.dtype
     device: torch.device
     buffer: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's place in `buffer`, its shape
+    grads: torch.Tensor | None = None  # buffer[:size]: the gradients without the control slots
     missing: int = 0  # gradients not yet in, this backward
     arrived: list[bool] = field(default_factory=list)
 
@@ -112,6 +117,8 @@ class GradSync:
             extra = self.world if b is last and carries else 0
             if b.buffer is None or b.buffer.numel() != b.size + extra:
                 b.buffer = torch.zeros(b.size + extra, dtype=b.dtype, device=b.device)
+                b.views = [b.buffer[off:off + p.numel()].view(p.shape) for p, off in zip(b.params, b.offsets)]
+                b.grads = b.buffer[:b.size]
         device = last.device if last is not None else torch.device("cpu")
         self._control = None if carries else torch.zeros(self.world, dtype=torch.float32, device=device)
         self._reset()
@@ -149,8 +156,10 @@ class GradSync:
         bucket = self.buckets[b]
         if bucket.arrived[i]:
             return
-        off = bucket.offsets[i]
-        bucket.buffer[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        view = bucket.views[i]
+        if p.grad.data_ptr() != view.data_ptr():  # else autograd accumulated into the bucket itself
+            view.copy_(p.grad)
+            p.grad = view
         bucket.arrived[i] = True
         bucket.missing -= 1
         self._launch_ready()
@@ -191,10 +200,11 @@ class GradSync:
     def _finish(self) -> None:
         """End of backward: launch what is left, wait, and hand the mean back to the gradients."""
         self._in_pass = False
-        for bucket in self.buckets[self._launched:]:
-            for i, p in enumerate(bucket.params):
-                if not bucket.arrived[i]:  # no gradient this pass: it adds zero
-                    bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + p.numel()].zero_()
+        partial = self.buckets[self._launched:]  # some gradient did not arrive this pass: it adds zero
+        for bucket in partial:
+            for i, view in enumerate(bucket.views):
+                if not bucket.arrived[i]:
+                    view.zero_()
             bucket.missing = 0
         self._launch_ready()
         for work in self._works:
@@ -208,9 +218,11 @@ class GradSync:
         slots = self.buckets[-1].buffer[self.buckets[-1].size:] if self._control is None else self._control
         self.controls = [int(v) for v in slots.tolist()]
         for bucket in self.buckets:
-            for p, off in zip(bucket.params, bucket.offsets):
-                if p.grad is not None:
-                    torch.div(bucket.buffer[off:off + p.numel()].view(p.grad.shape), self.world, out=p.grad)
+            bucket.grads.div_(self.world)
+        for bucket in partial:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # an old gradient: now 0
+                    p.grad = view
         self._synced = True
 
     # --- the commit point -----------------------------------------------------------------------
