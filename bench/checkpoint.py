@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from trainguard.checkpoint.blob import pack  # noqa: E402
 from trainguard.checkpoint.codec import flatten_state  # noqa: E402
 from trainguard.checkpoint.format import save_checkpoint  # noqa: E402
-from trainguard.checkpoint.manager import CheckpointConfig, ModelCheckpoint  # noqa: E402
+from trainguard.train.checkpointing import CheckpointConfig, ModelCheckpoint  # noqa: E402
 from trainguard.train.snapshots import Snapshot, SnapshotStore  # noqa: E402
 from trainguard.train.state import TrainState, capture_rng  # noqa: E402
 

@@ -21,10 +21,10 @@ import torch
 
 import trainguard as tg
 from harness import JOB, HandJob, env, events, wait_for
-from trainguard.cluster import membership as m
-from trainguard.cluster import protocol as p
-from trainguard.cluster.client import Connection, Heartbeater, SchedulerClient, query_status, raise_for
-from trainguard.cluster.db import ClusterDB
+from trainguard.control import membership as m
+from trainguard.control import protocol as p
+from trainguard.control.client import Connection, Heartbeater, SchedulerClient, query_status, raise_for
+from trainguard.control.db import ClusterDB
 from trainguard.errors import FencedError, RegistrationRejected
 
 pytestmark = pytest.mark.timeout(120)

@@ -22,7 +22,7 @@ from trainguard.launch.policy import Action, Failure, decide_exit, failure_summa
 from trainguard.launch.worker_main import (
     DETERMINISTIC_MARK, describe_error, deterministic_error, is_deterministic,
 )
-from trainguard.recovery.strategies import parse_strategy
+from trainguard.strategies import parse_strategy
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER_MAIN = [sys.executable, "-u", "-m", "trainguard.launch.worker_main"]
@@ -138,7 +138,7 @@ def test_worker_main_runs_the_script_as_python_does(tmp_path: Path) -> None:
 def test_a_hot_spare_classifies_the_same_way(tmp_path: Path) -> None:
     """A restarted worker that comes from a hot spare runs the script through the same entry point."""
     bad = _script(tmp_path, MISSING, "bad.py")
-    spare = subprocess.run([sys.executable, "-u", "-m", "trainguard.launch.spare", str(bad)], cwd=tmp_path,
+    spare = subprocess.run([sys.executable, "-u", "-m", "trainguard.launch.spare_main", str(bad)], cwd=tmp_path,
                            env=_env(), input='{"env": {"PATH": "/usr/bin"}, "argv": []}\n', capture_output=True,
                            text=True, timeout=80)
     assert spare.returncode == EXIT_CONFIG_ERROR, spare.stderr

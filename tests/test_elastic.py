@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 
 from harness import assert_identical, env, events, finals, launch
-from trainguard.cluster import membership as m
-from trainguard.cluster.elastic import ElasticScheduling
-from trainguard.cluster.protocol import FailureKind
+from trainguard.control import membership as m
+from trainguard.control.elastic import ElasticScheduling
+from trainguard.control.protocol import FailureKind
 from trainguard.config import from_env
 from trainguard.errors import ConfigError
 from trainguard.launch.policy import LaunchSpec, worker_env
-from trainguard.recovery.plan import choose_restore
-from trainguard.recovery.strategies import parse_strategy, require_implemented
+from trainguard.control.restore_plan import choose_restore
+from trainguard.strategies import parse_strategy, require_implemented
 from trainguard.train.data import ShardedSampler
-from trainguard.train.elastic import Phase
+from trainguard.train.phase import Phase
 
 pytestmark = pytest.mark.timeout(30)
 JOB = Path(__file__).resolve().parent / "jobs" / "elastic_job.py"

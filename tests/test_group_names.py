@@ -15,7 +15,7 @@ import textwrap
 SCRIPT = textwrap.dedent("""
     import datetime, sys
     import torch.distributed as dist
-    from trainguard.runtime import _reset_group_names
+    from trainguard.worker.runtime import _reset_group_names
 
     try:  # rank 1 never comes: the build fails as it does when a peer dies mid-build
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainguard.cluster import membership as m
-from trainguard.cluster.protocol import ErrorCode, FailureKind
+from trainguard.control import membership as m
+from trainguard.control.protocol import ErrorCode, FailureKind
 
 FLAP, QUARANTINE = 3, 30.0
 

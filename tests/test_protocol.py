@@ -8,7 +8,7 @@ import struct
 import msgpack
 import pytest
 
-from trainguard.cluster import protocol as p
+from trainguard.control import protocol as p
 from trainguard.config import MAX_FRAME_BYTES
 from trainguard.errors import ProtocolError
 

@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 
 from harness import assert_identical, env, events, finals, job_args
-from trainguard.cluster import protocol as p
-from trainguard.cluster.client import Connection
-from trainguard.cluster.placement import (
+from trainguard.control import protocol as p
+from trainguard.control.client import Connection
+from trainguard.control.placement import (
     HostView, Place, PlacementPolicy, became_excluded, choose_host, excluded_until,
 )
-from trainguard.cluster.scheduler import start_in_thread
+from trainguard.control.scheduler import start_in_thread
 from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.errors import ConfigError
 from trainguard.launch import cli
 from trainguard.launch.agent import Supervisor
 from trainguard.launch.policy import LaunchSpec, scheduler_env, worker_env
-from trainguard.recovery.strategies import parse_strategy, require_implemented
+from trainguard.strategies import parse_strategy, require_implemented
 
 POLICY = PlacementPolicy(fail_limit=2, fail_window_s=60.0, cooldown_s=30.0)
 NOW = 1000.0

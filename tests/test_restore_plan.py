@@ -1,7 +1,7 @@
-"""The restore decision (recovery/plan.py) for every interleaving of the commit-or-skip protocol
+"""The restore decision (control/restore_plan.py) for every interleaving of the commit-or-skip protocol
 (docs/ARCHITECTURE.md's table): pure, no sockets."""
 
-from trainguard.recovery.plan import choose_restore
+from trainguard.control.restore_plan import choose_restore
 
 
 def sources(d):

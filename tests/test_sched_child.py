@@ -1,4 +1,4 @@
-"""The scheduler as a child process of torchrun/mpirun rank 0 (cluster/sched_child.py), without torch:
+"""The scheduler as a child process of torchrun/mpirun rank 0 (control/sched_child.py), without torch:
 the port it binds is learned from its pipe, a killed child is restarted on the same port (until a
 crash loop), it is not restarted without recovery, and it does not outlive a killed parent."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from harness import wait_for
-from trainguard.cluster.client import SchedulerClient
-from trainguard.cluster.sched_child import SchedulerProcess, decide_restart
+from trainguard.control.client import SchedulerClient
+from trainguard.control.sched_child import SchedulerProcess, decide_restart
 from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.exitcodes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_PREEMPTED
 
@@ -120,7 +120,7 @@ def test_a_scheduler_child_that_cannot_listen_is_a_config_error(tmp_path):
 PARENT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from trainguard.cluster.sched_child import SchedulerProcess
+    from trainguard.control.sched_child import SchedulerProcess
     from trainguard.config import ClusterConfig, LaunchMode, Role
     cfg = ClusterConfig(role=Role.WORKER, mode=LaunchMode.TORCHRUN, sched_host="127.0.0.1", sched_port=0,
                         worker_num=2, node_id="0", embedded_scheduler=True, connect_timeout=30)

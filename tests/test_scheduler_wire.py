@@ -20,10 +20,10 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from trainguard.cluster import protocol as p
-from trainguard.cluster.client import Heartbeater, SchedulerClient, query_status
-from trainguard.cluster.membership import JobState, NodeState
-from trainguard.cluster.scheduler import start_in_thread
+from trainguard.control import protocol as p
+from trainguard.control.client import Heartbeater, SchedulerClient, query_status
+from trainguard.control.membership import JobState, NodeState
+from trainguard.control.scheduler import start_in_thread
 from trainguard.config import MAX_FRAME_BYTES, ClusterConfig, LaunchMode, Role
 from trainguard.errors import ConfigError, ProtocolError, RegistrationRejected
 

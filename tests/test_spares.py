@@ -17,11 +17,11 @@ import pytest
 
 from trainguard.launch import cli
 from trainguard.launch.policy import LaunchSpec, spare_env
-from trainguard.launch.spare import top_level_imports
-from trainguard.launch.spares import SparePool, activate
+from trainguard.launch.spare_main import top_level_imports
+from trainguard.launch.spare_pool import SparePool, activate
 
 REPO = Path(__file__).resolve().parents[1]
-SPARE = [sys.executable, "-u", "-m", "trainguard.launch.spare"]
+SPARE = [sys.executable, "-u", "-m", "trainguard.launch.spare_main"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -43,7 +43,7 @@ def _spare_pids(script: Path) -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if b"trainguard.launch.spare" in cmd and str(script).encode() in cmd and state != "Z":
+        if b"trainguard.launch.spare_main" in cmd and str(script).encode() in cmd and state != "Z":
             pids.append(int(proc.name))
     return pids
 
@@ -94,7 +94,7 @@ def test_spare_runs_the_script_like_python_does(tmp_path: Path) -> None:
     assert out == "['--lr', '0.1'] 5 None __main__ ok.py True True True\n"
     assert procs[1].returncode == 1
     assert bad_err.startswith("Traceback (most recent call last):\n") and "ValueError: bad batch" in bad_err
-    assert "runpy" not in bad_err and "spare.py" not in bad_err  # only the script's own frames
+    assert "runpy" not in bad_err and "spare_main.py" not in bad_err  # only the script's own frames
     assert bad_err == subprocess.run([sys.executable, str(bad)], capture_output=True, text=True).stderr
     assert procs[2].returncode == 0 and dismissed_out == dismissed_err == ""
 

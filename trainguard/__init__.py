@@ -16,11 +16,12 @@ from .exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
 __version__ = "0.1.0"
 
 _LAZY = {
-    "init": "runtime", "get_rank": "runtime", "get_world_size": "runtime", "get_local_rank": "runtime",
-    "get_group": "runtime",
+    "init": "worker.runtime", "get_rank": "worker.runtime", "get_world_size": "worker.runtime",
+    "get_local_rank": "worker.runtime",
+    "get_group": "worker.runtime",
     "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",
-    "CheckpointConfig": "checkpoint.manager", "ModelCheckpoint": "checkpoint.manager",
-    "ExceptionCheckpoint": "checkpoint.manager",
+    "CheckpointConfig": "train.checkpointing", "ModelCheckpoint": "train.checkpointing",
+    "ExceptionCheckpoint": "train.checkpointing",
     "save_sharded": "checkpoint.sharded", "load_sharded": "checkpoint.reshard",
     "load_checkpoint": "checkpoint.reshard", "load_param_into_net": "checkpoint.reshard",
     "init_optimizer_state": "checkpoint.reshard",

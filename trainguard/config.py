@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import ConfigError
-from .recovery.strategies import (
+from .strategies import (
     DEFAULT_ELASTIC_DEADLINE_S, DEFAULT_MAX_RETRIES, DEFAULT_STRATEGY, RecoverStrategy, parse_strategy,
     require_implemented,
 )

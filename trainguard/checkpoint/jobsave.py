@@ -48,7 +48,7 @@ log = logging.getLogger("trainguard.checkpoint")
 
 META_KEY = "trainguard_meta"  # the state's structure (codec meta), in each file's safetensors metadata
 POLL_S = 0.05
-# (rank, step) of the part this thread is writing, for fault injection (trainguard.testing.faults)
+# (rank, step) of the part this thread is writing, for fault injection (trainguard.train.faults)
 WRITING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("trainguard_writing", default=None)
 
 

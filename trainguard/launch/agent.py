@@ -10,7 +10,7 @@ worker_main.py, every worker's entry point): that ends the job at once. It forwa
 SIGINT/SIGTERM/SIGUSR1 (workers first, scheduler last; the workers then save a dying-gasp
 checkpoint within the grace period and exit 75, and so does the agent) and prefixes every line
 a child prints (children.py). A restarted worker is, when one is warm, a hot spare that
-already imported torch (spares.py) rather than a fresh process. What to do about an exit is decided
+already imported torch (spare_pool.py) rather than a fresh process. What to do about an exit is decided
 by the pure functions in policy.py; `Supervisor` carries the decisions out.
 """
 
@@ -35,7 +35,7 @@ from .policy import (
     signal_name, signalled_exit, spare_env, worker_cmd, worker_env,
 )
 from .relocate import Relocation
-from .spares import SparePool, activate
+from .spare_pool import SparePool, activate
 
 POLL_INTERVAL_S = 0.02
 REPORT_TIMEOUT_S = 1.0  # a report delays the restart; keep it short
@@ -385,7 +385,7 @@ class Supervisor(Relocation):
         if not self._can_report or (sched is not None and not sched.alive()):
             return ""
         try:
-            from ..cluster.client import report_exit
+            from ..control.client import report_exit
         except ImportError as exc:
             self._can_report = False
             self._say(f"cannot report exits to the scheduler ({exc}); it will see them by heartbeat")

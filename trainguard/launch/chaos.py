@@ -53,7 +53,7 @@ def pick_target(status: dict, action: str, rank: int | None, host: str) -> tuple
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cluster.client import query_status  # lazy: the CLI starts without the client
+    from ..control.client import query_status  # lazy: the CLI starts without the client
 
     try:
         status = query_status((args.sched_host, args.sched_port), timeout=5.0)

@@ -138,7 +138,7 @@ def _scheduler(args: argparse.Namespace) -> int:
         cfg = replace(cfg, sched_port=0)
     if cfg.enable_recovery and cfg.recovery_path is not None:
         check_recovery_path(cfg.recovery_path)
-    from ..cluster.scheduler import run_scheduler  # lazy: the agent must import without it
+    from ..control.scheduler import run_scheduler  # lazy: the agent must import without it
 
     return run_scheduler(cfg, port_fd=args.port_fd, parent_pid=args.parent_pid)
 

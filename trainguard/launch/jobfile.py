@@ -32,7 +32,7 @@ from ..config import (
     _int,
 )
 from ..errors import ConfigError
-from ..recovery.strategies import (
+from ..strategies import (
     DEFAULT_ELASTIC_DEADLINE_S, DEFAULT_MAX_RETRIES, RecoverStrategy, parse_strategy, require_implemented,
 )
 from .budget import DEFAULT_MAX_RESTARTS

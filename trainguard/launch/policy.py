@@ -22,8 +22,8 @@ from ..config import (
 )
 from ..errors import ConfigError
 from ..exitcodes import EXIT_CONFIG, EXIT_CONFIG_ERROR, EXIT_FAULT_STOP, EXIT_JOB_FAILED, EXIT_PREEMPTED
-from ..cluster.placement import PlacementPolicy
-from ..recovery.strategies import DEFAULT_STRATEGY, RecoverStrategy, parse_strategy
+from ..control.placement import PlacementPolicy
+from ..strategies import DEFAULT_STRATEGY, RecoverStrategy, parse_strategy
 from ..signals import signal_name
 from .budget import CRASH_LOOP_ADVICE, DEFAULT_MAX_RESTARTS, RestartRate
 from .worker_main import deterministic_error

@@ -1,4 +1,4 @@
-"""The agent's side of the `recover` strategy: its line to the scheduler's AgentBoard (cluster/agents.py).
+"""The agent's side of the `recover` strategy: its line to the scheduler's AgentBoard (control/agents.py).
 
 `Relocation` is the part of the Supervisor (agent.py) that carries placements out. A thread syncs every `SYNC_PERIOD_S`: it tells the scheduler this agent's node rank, host, slots and the
 node ids it runs, and receives the orders for it (start worker X here, placed from another host) and the
@@ -15,12 +15,12 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from ..cluster import protocol as p
-from ..cluster.client import Connection
-from ..cluster.placement import PlacementPolicy
+from ..control import protocol as p
+from ..control.client import Connection
+from ..control.placement import PlacementPolicy
 from ..config import this_host
 from ..errors import ProtocolError, SchedulerUnavailable
-from ..recovery.strategies import Strategy
+from ..strategies import Strategy
 
 log = logging.getLogger("trainguard.agent")
 

@@ -7,7 +7,7 @@ import hashlib
 import torch
 
 from ..errors import TrainguardError
-from ..recovery.transfer import all_gather_bytes
+from ..worker.transfer import all_gather_bytes
 from ..train.callbacks import Callback
 
 

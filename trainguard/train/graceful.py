@@ -33,7 +33,7 @@ from typing import NoReturn
 
 from ..errors import JobStopped
 from ..exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
-from ..recovery.dump import DumpResult, dump_targets, write_dying_gasp
+from .dump import DumpResult, dump_targets, write_dying_gasp
 from ..signals import signal_name
 
 log = logging.getLogger("trainguard.graceful")

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .. import runtime as rt_mod
-from ..checkpoint.manager import CheckpointConfig, ExceptionCheckpoint
+from ..worker import runtime as rt_mod
+from .checkpointing import CheckpointConfig, ExceptionCheckpoint
 from ..errors import CollectiveFailed, ConfigError
 from .data import ShardedSampler
 from .parallel import DataParallel

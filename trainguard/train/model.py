@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..checkpoint.manager import ModelCheckpoint
+from .checkpointing import ModelCheckpoint
 from .data import ShardedSampler
 from .parallel import DataParallel
 from .session import Session, SessionConfig

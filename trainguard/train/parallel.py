@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from ..recovery.transfer import broadcast_module
+from ..worker.transfer import broadcast_module
 from .gradsync import GradSync
 
 log = logging.getLogger("trainguard.parallel")

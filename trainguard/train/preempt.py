@@ -38,7 +38,7 @@ class GracefulStop:
     """Signals → a stop agreed at a step boundary → a dying-gasp save → exit 75."""
 
     def __init__(self, *, grace_period: float | None = None, group: dist.ProcessGroup | None = None):
-        from .. import runtime
+        from ..worker import runtime
 
         self.rt = runtime.current()
         self.grace = self.rt.cfg.grace_period if grace_period is None else grace_period

@@ -18,9 +18,9 @@ step), so a rank's random stream at step s is known without having been saved. T
 agreed at the first start (rank 0's `torch.initial_seed()`) and travels with the state.
 
 The stop vote (SIGTERM, SIGINT, SIGUSR1) rides in the gradient all-reduce's control slots. What a
-failure leads to follows the recover strategy (recovery/strategies.py): recovery in process, or a
+failure leads to follows the recover strategy (strategies.py): recovery in process, or a
 stop (exit, dump: train/graceful.py). Under elastic, progress also records the sampler's phase
-(train/elastic.py), so a restore into another world size splits the rest of the epoch over it.
+(train/phase.py), so a restore into another world size splits the rest of the epoch over it.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import logging
 import time
 from typing import Iterator
 
-from .. import runtime as rt_mod
+from ..worker import runtime as rt_mod
 from ..checkpoint.blob import pack, unpack
 from ..checkpoint.codec import flatten_state
-from ..checkpoint.manager import DiskSources
+from .checkpointing import DiskSources
 from ..errors import ClusterFailed, CollectiveFailed, ConfigError, FencedError, RecoveryError, Retriable
-from ..recovery.plan import lost_steps
-from ..recovery.transfer import all_max, broadcast_int, recv_bytes, send_bytes
-from . import elastic, parallel_strategy
+from ..control.restore_plan import lost_steps
+from ..worker.transfer import all_max, broadcast_int, recv_bytes, send_bytes
+from . import phase as elastic, parallel_strategy
 from .data import sampler_of
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .parallel import DataParallel
@@ -57,7 +57,7 @@ class Session:
         self.rt = runtime or rt_mod.current()
         self.checkpoint = checkpoint  # a DiskCheckpointer (ModelCheckpoint) or None
         self.callbacks = list(callbacks)
-        from ..testing.faults import env_callbacks
+        from .faults import env_callbacks
 
         self.callbacks += env_callbacks()  # TG_FAULT*: chaos-test any job without changing its code
         self.injectors = [cb for cb in self.callbacks if hasattr(cb, "on_phase")]

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..train.callbacks import Callback
+from .callbacks import Callback
 
 FAULT_ENV = "TG_FAULT"
 SLOW_SAVE_ENV = "TG_FAULT_SLOW_SAVE"
@@ -162,7 +162,7 @@ def slow_dying_gasp_writes(seconds: float) -> None:
     """Make each file of a dying-gasp checkpoint take `seconds` longer (after writing it, before the
     manifest): a test hook for grace periods too short for the save. Regular saves are untouched."""
     from ..checkpoint import format as fmt
-    from ..recovery.dump import GASP_THREAD
+    from .dump import GASP_THREAD
 
     real = getattr(fmt, "write_shard", None)
     if real is None:

@@ -9,7 +9,7 @@
     recover           a dead worker starts again on another host's agent that has a free slot (--slots);
                       a host with too many worker failures is excluded for a cooldown; with
                       recover-in-place too, it is restarted in place when no other host can take it
-                      (trainguard/cluster/placement.py)
+                      (trainguard/control/placement.py)
     elastic           alias elastic-training: a dead worker is restarted as with recover-in-place, but
                       if it is not back within `elastic_deadline` seconds (TG_ELASTIC_DEADLINE,
                       --elastic-deadline) the survivors go on without it, the rest of the epoch
@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 DEFAULT_STRATEGY = "recover-in-place"
 DEFAULT_MAX_RETRIES = 3

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..recovery.plan import choose_restore
+from .restore_plan import choose_restore
 
 
 def decide_agreement(purpose: str, reports: dict[int, dict]) -> dict:

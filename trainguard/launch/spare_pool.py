@@ -1,4 +1,4 @@
-"""The agent's hot spares: warm `trainguard.launch.spare` processes that replace dead workers.
+"""The agent's hot spares: warm `trainguard.launch.spare_main` processes that replace dead workers.
 
 Each spare has its own session and three pipes: stdin (its activation order, or EOF to dismiss
 it), stdout and stderr (left unread until it becomes a worker), plus a readiness pipe on which
@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Sequence
 
 from .policy import describe_exit
 
-SPARE_MODULE = "trainguard.launch.spare"
+SPARE_MODULE = "trainguard.launch.spare_main"
 MAX_IDLE_DEATHS = 3  # in a row, with no successful take() between them
 DISMISS_WAIT_S = 0.5  # a warm spare exits on EOF at once; one still importing is terminated
 KILL_WAIT_S = 2.0

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError
-from . import jobsave
-from .blob import unpack
-from .format import checkpoint_name, new_manifest
-from .retention import list_checkpoints, prune_checkpoints
+from ..checkpoint import jobsave
+from ..checkpoint.blob import unpack
+from ..checkpoint.format import checkpoint_name, new_manifest
+from ..checkpoint.retention import list_checkpoints, prune_checkpoints
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -99,7 +99,7 @@ def _at_exit(func, *args) -> None:
 
 
 def _runtime():
-    from .. import runtime
+    from ..worker import runtime
 
     return runtime.current()
 
@@ -157,7 +157,7 @@ class ModelCheckpoint:
         if cfg.save_checkpoint_seconds is not None:
             # each rank's clock says something else: the ranks agree (one small all-reduce at the
             # commit point; a failure there fails the step), so every rank saves the same steps
-            from ..recovery.transfer import all_max
+            from ..worker.transfer import all_max
 
             late = time.monotonic() - self._last_save >= cfg.save_checkpoint_seconds
             due = bool(all_max(int(late), session.rt.group)) or due

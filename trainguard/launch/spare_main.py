@@ -1,6 +1,6 @@
 """A hot spare: a process that has paid for its imports and waits to become a worker.
 
-    python -u -m trainguard.launch.spare [--ready-fd FD] SCRIPT
+    python -u -m trainguard.launch.spare_main [--ready-fd FD] SCRIPT
 
 At start it imports torch, torch.distributed and trainguard's worker side, then preloads the
 script's own top-level imports (found with `ast`; a failed preload is remembered, never fatal).
@@ -30,8 +30,8 @@ from .worker_main import run_script, script_path
 
 # torch._dynamo: the first optimizer a process builds imports it (about 1.1 s of a 2 s recovery here)
 WORKER_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
-                  "trainguard.runtime", "trainguard.train.model", "trainguard.train.session",
-                  "trainguard.checkpoint.manager")
+                  "trainguard.worker.runtime", "trainguard.train.model", "trainguard.train.session",
+                  "trainguard.train.checkpointing")
 EXIT_BAD_ORDER = 2
 
 
@@ -94,7 +94,7 @@ def _become(script: str, argv: list[str], env: dict[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainguard.launch.spare")
+    parser = argparse.ArgumentParser(prog="python -m trainguard.launch.spare_main")
     parser.add_argument("--ready-fd", type=int, help="write one byte here once warm")
     parser.add_argument("script")
     args = parser.parse_args(argv)

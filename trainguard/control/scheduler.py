@@ -27,7 +27,7 @@ from .elastic import ElasticScheduling
 from .kvstore import KVStore
 from .placement import PlacementPolicy
 from .sched_child import die_with_parent, publish_port
-from .sched_rendezvous import RendezvousRequests
+from .rendezvous import RendezvousRequests
 
 log = logging.getLogger("trainguard.scheduler")
 

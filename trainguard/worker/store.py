@@ -11,8 +11,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import protocol as p
-from .client import SchedulerClient
+from ..control import protocol as p
+from ..control.client import SchedulerClient
 
 
 def _b(value) -> bytes:

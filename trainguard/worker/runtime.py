@@ -20,15 +20,15 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from . import config as C
-from .cluster import protocol as p
-from .cluster.client import Heartbeater, SchedulerClient
-from .cluster.rendezvous import SchedulerStore, generation_prefix
-from .errors import ClusterFailed, ConfigError, FencedError, SchedulerUnavailable, TrainguardError
-from .obs.events import EventLog
-from .recovery.sever import GroupSockets, open_sockets, scheduler_peers
+from .. import config as C
+from ..control import protocol as p
+from ..control.client import Heartbeater, SchedulerClient
+from .store import SchedulerStore, generation_prefix
+from ..errors import ClusterFailed, ConfigError, FencedError, SchedulerUnavailable, TrainguardError
+from ..obs.events import EventLog
+from .sever import GroupSockets, open_sockets, scheduler_peers
 
-log = logging.getLogger("trainguard.runtime")
+log = logging.getLogger("trainguard.worker.runtime")
 
 _runtime: "Runtime | None" = None
 MAX_BUILD_FAILURES = 5
@@ -66,7 +66,7 @@ class Runtime:
     def _host_scheduler(self, cfg: C.ClusterConfig) -> C.ClusterConfig:
         """Start the scheduler as a child process (restarted if it dies; it ends with this rank's job). Under
         torchrun without TG_SCHED_PORT it binds port 0 and this rank publishes the port in torchrun's store."""
-        from .cluster.sched_child import SchedulerProcess
+        from ..control.sched_child import SchedulerProcess
 
         self.scheduler = SchedulerProcess(cfg)
         cfg = _replace(cfg, sched_port=self.scheduler.start())
@@ -250,7 +250,7 @@ def init(env=None) -> Runtime:
         return _runtime
     cfg = C.from_env(env)
     if cfg.role is C.Role.SCHEDULER:
-        from .cluster.scheduler import run_scheduler
+        from ..control.scheduler import run_scheduler
 
         sys.exit(run_scheduler(cfg))
     logging.basicConfig(level=os.environ.get(C.LOG_LEVEL_ENV, "WARNING").upper(),
@@ -269,7 +269,7 @@ def init(env=None) -> Runtime:
     _runtime = rt
     # scripts written for torchrun read these after init_process_group(): same names, this generation's values
     os.environ.update(RANK=str(rt.rank), WORLD_SIZE=str(rt.world_size), LOCAL_RANK=str(rt.local_rank))
-    from .train import data
+    from ..train import data
 
     data.default_shard_info = lambda: (rt.world_size, rt.rank)
     return rt
