@@ -15,7 +15,13 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import trainguard
-from trainguard import CheckpointConfig, LossMonitor, Model, ModelCheckpoint, StepTimeMonitor
+from trainguard import (
+    CheckpointConfig,
+    LossMonitor,
+    Model,
+    ModelCheckpoint,
+    StepTimeMonitor,
+)
 
 # --- arguments -----------------------------------------------------------------
 parser = argparse.ArgumentParser()

@@ -14,7 +14,12 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from trainguard.checkpoint.codec import flatten_state, unflatten_state
-from trainguard.checkpoint.format import CheckpointInfo, checkpoint_name, load_checkpoint, save_checkpoint
+from trainguard.checkpoint.format import (
+    CheckpointInfo,
+    checkpoint_name,
+    read_checkpoint,
+    save_checkpoint,
+)
 from trainguard.checkpoint.manifest import read_manifest
 from trainguard.checkpoint.retention import list_checkpoints, prune_checkpoints
 from trainguard.errors import CheckpointCorrupt, CheckpointError
@@ -60,7 +65,7 @@ def hidden(directory):
 
 def test_save_load_round_trip_is_bit_exact(tmp_path):
     folder = save(tmp_path / "ck-1_1", step=7, epoch=1, append_info={"run": "a"})
-    shards, manifest = load_checkpoint(folder)
+    shards, manifest = read_checkpoint(folder)
     same_shards(sample_shards(), shards)
     assert manifest["format_version"] == 1 and manifest["step"] == 7 and manifest["epoch"] == 1
     assert manifest["world_size"] == 2 and manifest["meta"] == {"seed": 0} and manifest["append_info"] == {"run": "a"}
@@ -77,7 +82,7 @@ def test_codec_state_through_disk(tmp_path):
     state = {"opt": {"state": {0: {"step": torch.tensor(2.0)}}, "betas": (0.9, 0.99)}, "x": float("-inf")}
     tensors, meta = flatten_state(state)
     save_checkpoint(tmp_path / "c-0_1", {SHARD: tensors}, meta=meta, step=1, epoch=0, world_size=1)
-    shards, manifest = load_checkpoint(tmp_path / "c-0_1")
+    shards, manifest = read_checkpoint(tmp_path / "c-0_1")
     back = unflatten_state(shards[SHARD], manifest["meta"])
     assert back["opt"]["betas"] == (0.9, 0.99) and back["x"] == float("-inf")
     assert torch.equal(back["opt"]["state"][0]["step"], torch.tensor(2.0))
@@ -87,14 +92,14 @@ def test_files_written_by_safetensors_itself_load(tmp_path):
     folder = save(tmp_path / "ck-0_1")
     data = st_save({"a": torch.arange(5), "b": torch.ones(2, 2, dtype=torch.bfloat16)})
     rewrite(folder, SHARD, data)
-    shards, _ = load_checkpoint(folder)
+    shards, _ = read_checkpoint(folder)
     assert torch.equal(shards[SHARD]["a"], torch.arange(5))
 
 
 def test_existing_folder_is_replaced(tmp_path):
     save(tmp_path / "ck-1_1", seed=1)
     save(tmp_path / "ck-1_1", seed=2, step=2)
-    shards, manifest = load_checkpoint(tmp_path / "ck-1_1")
+    shards, manifest = read_checkpoint(tmp_path / "ck-1_1")
     same_shards(sample_shards(2), shards)
     assert manifest["step"] == 2 and visible(tmp_path) == ["ck-1_1"] and hidden(tmp_path) == []
 
@@ -193,7 +198,7 @@ def test_corruption_is_detected_and_named(tmp_path, case):
     folder = save(tmp_path / "ck-0_1")
     damage(folder)
     with pytest.raises(CheckpointCorrupt, match=what) as info:
-        load_checkpoint(folder)
+        read_checkpoint(folder)
     message = str(info.value)
     assert str(folder / culprit) in message and "fall back to an earlier checkpoint" in message
     assert list_checkpoints(tmp_path, "ck") == [] or case in ("bit flip",) or case.startswith(
@@ -205,10 +210,10 @@ def test_verify_false_skips_hash_but_not_size(tmp_path):
     data = bytearray((folder / SHARD).read_bytes())
     data[-1] ^= 1
     (folder / SHARD).write_bytes(bytes(data))
-    load_checkpoint(folder, verify=False)  # a flipped data bit is not seen without hashing
+    read_checkpoint(folder, verify=False)  # a flipped data bit is not seen without hashing
     (folder / SHARD).write_bytes((folder / SHARD).read_bytes() + b"x")
     with pytest.raises(CheckpointCorrupt, match="bytes"):
-        load_checkpoint(folder, verify=False)
+        read_checkpoint(folder, verify=False)
 
 
 # --- failures while writing -------------------------------------------------------------------------
@@ -230,12 +235,12 @@ def test_enospc_leaves_previous_checkpoint_intact(tmp_path, monkeypatch, fail_at
         with pytest.raises(CheckpointError, match="No space left on device.*power loss"):
             save(folder, seed=2)
         monkeypatch.undo()
-        same_shards(sample_shards(2), load_checkpoint(folder)[0])
+        same_shards(sample_shards(2), read_checkpoint(folder)[0])
     else:
         with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint is unchanged"):
             save(folder, seed=2)
         monkeypatch.undo()
-        same_shards(sample_shards(1), load_checkpoint(folder)[0])
+        same_shards(sample_shards(1), read_checkpoint(folder)[0])
     assert visible(tmp_path) == ["ck-1_1"] and hidden(tmp_path) == []
 
 
@@ -266,7 +271,7 @@ def test_failed_swap_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="I/O error"):
         save(folder, seed=2)
     monkeypatch.undo()
-    same_shards(sample_shards(1), load_checkpoint(folder)[0])
+    same_shards(sample_shards(1), read_checkpoint(folder)[0])
     assert visible(tmp_path) == ["ck-1_1"] and hidden(tmp_path) == []
 
 
@@ -305,7 +310,7 @@ def test_kill_9_mid_save_never_leaves_a_complete_looking_folder(tmp_path):
         infos = list_checkpoints(d, "ck")
         assert sorted(i.path.name for i in infos) == visible(d)  # every visible folder is complete
         for info in infos:
-            shards, manifest = load_checkpoint(info.path)  # and verifies
+            shards, manifest = read_checkpoint(info.path)  # and verifies
             assert shards[SHARD]["i"].item() == manifest["step"] == manifest["meta"]["i"] == info.step
         leftovers += len(hidden(d))
         prune_checkpoints(d, "ck", 10, stale_temp_seconds=-1)  # what the killed save left behind goes

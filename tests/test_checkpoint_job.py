@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import REPO, assert_identical, env, events, finals
+
 from trainguard.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
 from trainguard.exitcodes import EXIT_PREEMPTED
 

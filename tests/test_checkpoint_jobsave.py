@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from trainguard.checkpoint import format as fmt
-from trainguard.checkpoint import jobsave, list_checkpoints, prune_checkpoints, read_manifest, verify_checkpoint
+from trainguard.checkpoint import (
+    jobsave,
+    list_checkpoints,
+    prune_checkpoints,
+    read_manifest,
+    verify_checkpoint,
+)
 from trainguard.checkpoint.blob import pack
 from trainguard.checkpoint.codec import flatten_state
 from trainguard.checkpoint.manifest import new_manifest

@@ -18,12 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import JOB, HandJob, env, events, wait_for
 
 import trainguard as tg
-from harness import JOB, HandJob, env, events, wait_for
 from trainguard.control import membership as m
 from trainguard.control import protocol as p
-from trainguard.control.client import Connection, Heartbeater, SchedulerClient, query_status, raise_for
+from trainguard.control.client import (
+    Connection,
+    Heartbeater,
+    SchedulerClient,
+    query_status,
+    raise_for,
+)
 from trainguard.control.db import ClusterDB
 from trainguard.errors import FencedError, RegistrationRejected
 

@@ -12,7 +12,6 @@ to an uninterrupted run's.
 from __future__ import annotations
 
 import pytest
-
 from harness import assert_identical, events, finals, launch
 
 pytestmark = pytest.mark.timeout(300)

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from trainguard.config import (
-    DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_MPI_PORT, ClusterConfig, LaunchMode, Role, check_recovery_path,
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_MPI_PORT,
+    ClusterConfig,
+    LaunchMode,
+    Role,
+    check_recovery_path,
     from_env,
 )
 from trainguard.errors import ConfigError

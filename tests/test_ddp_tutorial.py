@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import REPO, assert_identical, env, events, wait_for
 from safetensors.torch import load_file
 
-from harness import REPO, assert_identical, env, events, wait_for
 from trainguard.exitcodes import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.timeout(360)

@@ -18,9 +18,18 @@ import pytest
 from trainguard.config import Role
 from trainguard.errors import ConfigError, RecoveryError
 from trainguard.exitcodes import EXIT_CONFIG_ERROR
-from trainguard.launch.policy import Action, Failure, decide_exit, failure_summary, job_exit_code
+from trainguard.launch.policy import (
+    Action,
+    Failure,
+    decide_exit,
+    failure_summary,
+    job_exit_code,
+)
 from trainguard.launch.worker_main import (
-    DETERMINISTIC_MARK, describe_error, deterministic_error, is_deterministic,
+    DETERMINISTIC_MARK,
+    describe_error,
+    deterministic_error,
+    is_deterministic,
 )
 from trainguard.strategies import parse_strategy
 

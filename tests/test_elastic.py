@@ -10,15 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import assert_identical, env, events, finals, launch
+
+from trainguard.config import from_env
+from trainguard.control import formation as fm
 from trainguard.control import membership as m
 from trainguard.control.elastic import ElasticScheduling
 from trainguard.control.protocol import FailureKind
-from trainguard.config import from_env
+from trainguard.control.restore_plan import choose_restore
 from trainguard.errors import ConfigError
 from trainguard.launch.policy import LaunchSpec, worker_env
-from trainguard.control.restore_plan import choose_restore
 from trainguard.strategies import parse_strategy, require_implemented
 from trainguard.train.data import ShardedSampler
 from trainguard.train.phase import Phase
@@ -120,7 +121,7 @@ def _cluster(n=3) -> m.Cluster:
         d = m.decide_register(c, str(i), n, 0.0, recovery=True, flap_limit=5, quarantine_s=30)
         m.apply_register(c, d, "h", 100 + i, 0.0, flap_limit=5, quarantine_s=30)
         c.joined.add(str(i))
-    assert m.try_form(c, 0.0, 2.0) and c.members == tuple(str(i) for i in range(n))
+    assert fm.try_form(c, 0.0, 2.0) and c.members == tuple(str(i) for i in range(n))
     return c
 
 
@@ -133,13 +134,13 @@ def test_shrink_waits_for_the_deadline_then_renumbers_in_node_order():
     c = _cluster()
     _kill(c, "1", now=10.0)
     c.joined.update({"0", "2"})
-    f = m.decide_formation(c, 11.0, 2.0)
+    f = fm.decide_formation(c, 11.0, 2.0)
     assert f.members is None and f.wake_at == 12.0 and "1" in f.reason
-    assert not m.try_form(c, 11.9, 2.0)
-    assert not m.try_form(c, 20.0, None)  # without elastic: never without all N
-    assert m.try_form(c, 12.0, 2.0)
-    assert c.members == ("0", "2") and m.generation_size(c) == 2
-    assert [m.generation_rank(c, x) for x in ("0", "2")] == [0, 1]
+    assert not fm.try_form(c, 11.9, 2.0)
+    assert not fm.try_form(c, 20.0, None)  # without elastic: never without all N
+    assert fm.try_form(c, 12.0, 2.0)
+    assert c.members == ("0", "2") and fm.generation_size(c) == 2
+    assert [fm.generation_rank(c, x) for x in ("0", "2")] == [0, 1]
     assert c.nodes["2"].rank == 2  # the fixed rank is kept for growing back
 
 
@@ -147,33 +148,33 @@ def test_shrink_needs_every_live_member_joined_and_a_first_full_formation():
     c = _cluster()
     _kill(c, "2", now=0.0)
     c.joined.add("0")
-    assert "waiting for 1" in m.decide_formation(c, 100.0, 1.0).reason
+    assert "waiting for 1" in fm.decide_formation(c, 100.0, 1.0).reason
     fresh = m.Cluster(worker_num=2)
     d = m.decide_register(fresh, "0", 2, 0.0, recovery=True, flap_limit=5, quarantine_s=30)
     m.apply_register(fresh, d, "h", 1, 0.0, flap_limit=5, quarantine_s=30)
     fresh.joined.add("0")
-    assert "never formed" in m.decide_formation(fresh, 100.0, 1.0).reason
+    assert "never formed" in fm.decide_formation(fresh, 100.0, 1.0).reason
     c2 = _cluster(2)
     _kill(c2, "1", 0.0)
     c2.nodes["0"].state = m.NodeState.UNKNOWN  # a restarted scheduler: the survivor has not reattached
-    assert m.decide_formation(c2, 100.0, 1.0).members is None
+    assert fm.decide_formation(c2, 100.0, 1.0).members is None
 
 
 def test_a_returning_node_ends_the_smaller_generation_and_regains_its_rank():
     c = _cluster()
     _kill(c, "1", 0.0)
     c.joined.update({"0", "2"})
-    assert m.try_form(c, 5.0, 1.0)
+    assert fm.try_form(c, 5.0, 1.0)
     gen = c.generation
     d = m.decide_register(c, "1", 3, 6.0, recovery=True, flap_limit=5, quarantine_s=30)
     assert d.action is m.Action.READMIT and d.rank == 1
     m.apply_register(c, d, "h", 999, 6.0, flap_limit=5, quarantine_s=30)
-    assert m.decide_regrow(c, "1") and not m.decide_regrow(c, "0")
+    assert fm.decide_regrow(c, "1") and not fm.decide_regrow(c, "0")
     assert ElasticScheduling(1.0, c, 6.0).regrow(c, "1")
     assert c.generation == gen + 1 and not c.formed
     c.joined.update({"0", "1", "2"})
-    assert m.try_form(c, 6.1, 1.0) and c.members == ("0", "1", "2")
-    assert m.generation_rank(c, "2") == 2
+    assert fm.try_form(c, 6.1, 1.0) and c.members == ("0", "1", "2")
+    assert fm.generation_rank(c, "2") == 2
 
 
 def test_elastic_job_ends_without_waiting_for_the_dead():
@@ -181,7 +182,7 @@ def test_elastic_job_ends_without_waiting_for_the_dead():
     _kill(c, "1", 0.0)
     m.apply_finish(c, "0")
     assert c.job is m.JobState.RUNNING  # the normal rule waits for all N
-    assert m.elastic_job_over(c) is m.JobState.DONE
+    assert fm.elastic_job_over(c) is m.JobState.DONE
     assert ElasticScheduling(1.0, c, 0.0).job_over(c) and c.job is m.JobState.DONE
 
 
@@ -189,7 +190,7 @@ def test_after_the_finish_agreement_latecomers_are_refused_and_only_its_members_
     c = _cluster(2)
     _kill(c, "1", 0.0)
     c.joined.add("0")
-    assert m.try_form(c, 5.0, 1.0) and c.members == ("0",)
+    assert fm.try_form(c, 5.0, 1.0) and c.members == ("0",)
     sched = ElasticScheduling(1.0, c, 5.0)
     sched.finishing(c)
     assert c.finishing == ("0",)
@@ -219,7 +220,7 @@ def test_a_restarted_scheduler_restarts_the_deadline_clock():
     assert c.nodes["1"].dead_since == 50.0 and c.members == ("0",)
     d = m.decide_register(c, "1", 2, 51.0, recovery=True, flap_limit=5, quarantine_s=30)
     m.apply_register(c, d, "h", 7, 51.0, flap_limit=5, quarantine_s=30)
-    assert m.decide_regrow(c, "1")  # its return still ends the smaller generation
+    assert fm.decide_regrow(c, "1")  # its return still ends the smaller generation
 
 
 def test_deadline_from_the_job_file_or_flag():

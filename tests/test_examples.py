@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import REPO, assert_identical, env
 
 import trainguard as tg

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import assert_identical, env, events, finals, job_args, launch, wait_for
+
 from trainguard.checkpoint import list_checkpoints
 from trainguard.exitcodes import EXIT_PREEMPTED
 

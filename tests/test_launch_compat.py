@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import FAST, JOB, assert_identical, finals, wait_for
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,8 +22,16 @@ from trainguard.config import Role
 from trainguard.errors import ConfigError
 from trainguard.launch import cli
 from trainguard.launch.policy import (
-    Action, Failure, LaunchSpec, decide_exit, describe_exit, exit_code_for, failure_summary,
-    scheduler_env, signal_exit_code, worker_env,
+    Action,
+    Failure,
+    LaunchSpec,
+    decide_exit,
+    describe_exit,
+    exit_code_for,
+    failure_summary,
+    scheduler_env,
+    signal_exit_code,
+    worker_env,
 )
 
 REPO = Path(__file__).resolve().parents[1]

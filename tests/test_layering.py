@@ -1,4 +1,5 @@
-"""The shape of the package, checked from its source: no import cycles, and a control plane without torch.
+"""The shape of the package, checked from its source: no import cycles, imports that flow one way
+between its packages (LAYERS), and a control plane without torch.
 
 Imports count wherever they are written, at module level or inside a function: an import placed
 in a function only hides a cycle until that function runs. Imports under `if TYPE_CHECKING:` do
@@ -27,6 +28,22 @@ TORCH_FREE_MODULES = ("trainguard", "trainguard.config", "trainguard.errors", "t
                       "trainguard.signals", "trainguard.strategies")
 NEEDS_TORCH: set[str] = set()
 
+# Each layer and the layers it may import (docs/ARCHITECTURE.md draws it). "base" is the top-level
+# modules the whole package shares; "api" (trainguard/__init__.py, __main__.py) may import anything.
+# The control plane sits at the bottom, the worker runtime on it, training on both and on the
+# checkpoint formats; the launcher drives the control plane and reads checkpoints for its CLI.
+BASE = ("config", "errors", "exitcodes", "signals", "strategies")
+LAYERS = {
+    "base": set(),
+    "obs": {"base"},
+    "control": {"base", "obs"},
+    "checkpoint": {"base", "obs"},
+    "launch": {"base", "obs", "control", "checkpoint"},
+    "worker": {"base", "obs", "control"},
+    "train": {"base", "obs", "control", "worker", "checkpoint"},
+    "compat": {"base", "obs", "worker", "checkpoint", "train"},
+    "testing": {"base", "obs", "control", "worker", "checkpoint", "train"},
+}
 
 
 def modules() -> dict[str, Path]:
@@ -169,6 +186,44 @@ def test_in_function_imports_count_and_type_checking_ones_do_not(tmp_path):
 def test_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles (imports inside functions count):\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return "api"
+    if parts[1] in BASE:
+        return "base"
+    return parts[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that goes against LAYERS: `module -> imported (layer -> layer)`."""
+    bad = []
+    for module, imported in sorted(graph.items()):
+        here = layer_of(module)
+        if here == "api":
+            continue
+        for target in sorted(imported):
+            there = layer_of(target)
+            if there != here and there not in LAYERS[here]:
+                bad.append(f"{module} -> {target} ({here} -> {there})")
+    return bad
+
+
+def test_every_package_has_a_layer():
+    assert {layer_of(m) for m in modules()} <= {*LAYERS, "api"}, sorted({layer_of(m) for m in modules()} - {*LAYERS})
+
+
+def test_upward_imports_are_found():
+    graph = {"trainguard.control.a": {"trainguard.worker.b", "trainguard.errors"},
+             "trainguard.worker.b": {"trainguard.control.a"}, "trainguard": {"trainguard.train.c"}}
+    assert upward_imports(graph) == ["trainguard.control.a -> trainguard.worker.b (control -> worker)"]
+
+
+def test_imports_flow_one_way():
+    bad = upward_imports(import_graph())
+    assert not bad, "imports against the layer order (imports inside functions count):\n" + "\n".join(bad)
 
 
 def torch_free_modules() -> list[str]:

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trainguard.control import formation as fm
 from trainguard.control import membership as m
 from trainguard.control.protocol import ErrorCode, FailureKind
 
@@ -36,7 +37,7 @@ def formed(ids: list[str], *, recovery: bool = True) -> m.Cluster:
         d, _ = register(c, i, recovery=recovery)
         assert d.action is m.Action.ADMIT, d.reason
         c.joined.add(i)
-    assert m.try_form(c)
+    assert fm.try_form(c)
     return c
 
 
@@ -128,7 +129,7 @@ def test_ranks_are_fixed_at_formation_and_stable_across_re_registration():
         d, node = register(c, node_id, now=1.0)
         assert d.action is m.Action.READMIT and d.rank == before[node_id] and node.rank == before[node_id]
     c.joined.update(c.nodes)
-    assert m.try_form(c)
+    assert fm.try_form(c)
     assert ranks(c) == before
 
 
@@ -188,7 +189,7 @@ def test_dead_node_is_readmitted_at_once_with_the_next_incarnation():
     assert d.action is m.Action.READMIT and d.replaces is None
     assert (node.state, node.incarnation, node.rank, node.pid) == (m.NodeState.ALIVE, 2, 1, 777)
     c.joined.update({"a", "b"})
-    assert m.try_form(c) and c.generation == 2
+    assert fm.try_form(c) and c.generation == 2
 
 
 def test_dead_node_is_not_readmitted_without_recovery():
@@ -214,7 +215,7 @@ def test_stale_incarnation_failure_reports_are_ignored():
     fail(c, "b")
     register(c, "b", now=1.0)  # incarnation 2
     c.joined.update({"a", "b"})
-    assert m.try_form(c)
+    assert fm.try_form(c)
     gen = c.generation
     d = fail(c, "b", incarnation=1)  # about the dead incarnation 1
     assert not (d.mark_dead or d.bump or d.fail_job) and "stale" in d.reason
@@ -274,17 +275,17 @@ def test_generation_forms_only_when_all_members_are_alive_and_joined():
     for i in ("a", "b", "c"):
         register(c, i)
     c.joined.update({"a", "b"})
-    assert not m.try_form(c) and all(n.rank == -1 for n in c.nodes.values())
-    assert m.missing_for_formation(c) == "c (alive)"
+    assert not fm.try_form(c) and all(n.rank == -1 for n in c.nodes.values())
+    assert fm.missing_for_formation(c) == "c (alive)"
     c.joined.add("c")
-    assert m.try_form(c) and c.formed
-    assert not m.try_form(c)  # already formed
+    assert fm.try_form(c) and c.formed
+    assert not fm.try_form(c)  # already formed
 
 
 def test_missing_for_formation_counts_those_never_registered():
     c = m.Cluster(worker_num=3)
     register(c, "a")
-    assert m.missing_for_formation(c) == "a (alive), 2 never registered"
+    assert fm.missing_for_formation(c) == "a (alive), 2 never registered"
 
 
 def test_expired_lists_silent_alive_and_unknown_nodes_only():
@@ -317,7 +318,7 @@ def test_local_rank_counts_ranks_on_the_same_host():
     for i, host in zip("0123", ("x", "y", "x", "y")):
         register(c, i, host=host)
         c.joined.add(i)
-    assert m.try_form(c)
+    assert fm.try_form(c)
     assert [m.local_rank_of(c, c.nodes[i]) for i in "0123"] == [0, 0, 1, 1]
 
 

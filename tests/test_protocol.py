@@ -8,8 +8,8 @@ import struct
 import msgpack
 import pytest
 
-from trainguard.control import protocol as p
 from trainguard.config import MAX_FRAME_BYTES
+from trainguard.control import protocol as p
 from trainguard.errors import ProtocolError
 
 REQUESTS = [

@@ -13,15 +13,20 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import assert_identical, env, events, finals, job_args
+
+from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.control import protocol as p
 from trainguard.control.client import Connection
 from trainguard.control.placement import (
-    HostView, Place, PlacementPolicy, became_excluded, choose_host, excluded_until,
+    HostView,
+    Place,
+    PlacementPolicy,
+    became_excluded,
+    choose_host,
+    excluded_until,
 )
 from trainguard.control.scheduler import start_in_thread
-from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.errors import ConfigError
 from trainguard.launch import cli
 from trainguard.launch.agent import Supervisor

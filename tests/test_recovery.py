@@ -6,7 +6,6 @@ import socket
 import time
 
 import pytest
-
 from harness import HandJob, assert_identical, events, finals, launch, wait_for
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,7 +14,13 @@ from torch import nn
 
 import trainguard as tg
 from trainguard.checkpoint.codec import flatten_state
-from trainguard.checkpoint.layout import Piece, Slice, TensorLayout, check_cover, group_pieces
+from trainguard.checkpoint.layout import (
+    Piece,
+    Slice,
+    TensorLayout,
+    check_cover,
+    group_pieces,
+)
 from trainguard.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,7 +19,13 @@ from trainguard.errors import ConfigError
 from trainguard.launch import cli
 from trainguard.launch.budget import DEFAULT_MAX_RESTARTS, RestartRate, restart_rate
 from trainguard.launch.jobfile import load_job_file
-from trainguard.launch.policy import Action, Failure, LaunchSpec, decide_exit, failure_summary
+from trainguard.launch.policy import (
+    Action,
+    Failure,
+    LaunchSpec,
+    decide_exit,
+    failure_summary,
+)
 from trainguard.strategies import parse_strategy
 
 REPO = Path(__file__).resolve().parents[1]

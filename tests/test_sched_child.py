@@ -12,11 +12,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from harness import wait_for
+
+from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.control.client import SchedulerClient
 from trainguard.control.sched_child import SchedulerProcess, decide_restart
-from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.exitcodes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_PREEMPTED
 
 KILLED = -signal.SIGKILL

@@ -20,11 +20,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from trainguard.config import MAX_FRAME_BYTES, ClusterConfig, LaunchMode, Role
 from trainguard.control import protocol as p
 from trainguard.control.client import Heartbeater, SchedulerClient, query_status
 from trainguard.control.membership import JobState, NodeState
 from trainguard.control.scheduler import start_in_thread
-from trainguard.config import MAX_FRAME_BYTES, ClusterConfig, LaunchMode, Role
 from trainguard.errors import ConfigError, ProtocolError, RegistrationRejected
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,9 +20,15 @@ from torch import nn
 import trainguard as tg
 from trainguard.checkpoint.codec import flatten_state
 from trainguard.checkpoint.format import save_checkpoint
+from trainguard.checkpoint.layout import (
+    Slice,
+    TensorLayout,
+    check_placements,
+    group_pieces,
+    mesh_slices,
+    replica_groups,
+)
 from trainguard.checkpoint.manifest import read_manifest
-from trainguard.checkpoint.layout import Slice, TensorLayout, check_placements, group_pieces, mesh_slices, \
-    replica_groups
 from trainguard.errors import CheckpointCorrupt, CheckpointError
 
 pytestmark = pytest.mark.timeout(90)

@@ -7,20 +7,27 @@ import signal
 import pytest
 import torch
 
+from trainguard.config import Role, from_env
 from trainguard.control import membership as m
 from trainguard.control.protocol import FailureKind
-from trainguard.config import Role, from_env
 from trainguard.errors import ConfigError
 from trainguard.exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
 from trainguard.launch import cli
 from trainguard.launch.chaos import pick_target
 from trainguard.launch.jobfile import load_job_file
 from trainguard.launch.policy import (
-    Action, Failure, LaunchSpec, decide_exit, ended_exit, failure_summary, signalled_exit, worker_env,
+    Action,
+    Failure,
+    LaunchSpec,
+    decide_exit,
+    ended_exit,
+    failure_summary,
+    signalled_exit,
+    worker_env,
 )
-from trainguard.train.dump import plan_dump, who_died
 from trainguard.strategies import Strategy, parse_strategy, require_implemented
 from trainguard.train import parallel_strategy
+from trainguard.train.dump import plan_dump, who_died
 from trainguard.train.graceful import StopRequest
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,41 +1,52 @@
 """trainguard: PyTorch distributed training that survives failures.
 
-Public API; import from here, never from a submodule. Names load lazily, so the scheduler
-and the launcher start without importing torch.
+The core API; import from here, never from a submodule. Names load lazily, so the scheduler
+and the launcher start without importing torch. The MindSpore-style names (Model, ModelCheckpoint,
+load_checkpoint, ...) live in `trainguard.compat.mindspore` and are reachable here as well.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from .errors import (CheckpointCorrupt, CheckpointError, ClusterFailed, ClusterStateError, ConfigError,
-                     FencedError, JobStopped, ProtocolError, RecoveryError, RegistrationRejected,
-                     RendezvousTimeout, Retriable, SchedulerUnavailable, TrainguardError)
+from .errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    ClusterFailed,
+    ClusterStateError,
+    ConfigError,
+    FencedError,
+    JobStopped,
+    ProtocolError,
+    RecoveryError,
+    RegistrationRejected,
+    RendezvousTimeout,
+    Retriable,
+    SchedulerUnavailable,
+    TrainguardError,
+)
 from .exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "init": "worker.runtime", "get_rank": "worker.runtime", "get_world_size": "worker.runtime",
-    "get_local_rank": "worker.runtime",
-    "get_group": "worker.runtime",
-    "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",
-    "CheckpointConfig": "train.checkpointing", "ModelCheckpoint": "train.checkpointing",
-    "ExceptionCheckpoint": "train.checkpointing",
-    "save_sharded": "checkpoint.sharded", "load_sharded": "checkpoint.reshard",
-    "load_checkpoint": "checkpoint.reshard", "load_param_into_net": "checkpoint.reshard",
-    "init_optimizer_state": "checkpoint.reshard",
-    "restore_group_info_list": "checkpoint.replicas", "recover_rank": "checkpoint.replicas",
-    "Callback": "train.callbacks", "LossMonitor": "train.callbacks", "StepTimeMonitor": "train.callbacks",
-    "ShardedSampler": "train.data", "Model": "train.model", "DataParallel": "train.parallel",
-    "DDP": "train.parallel", "DistributedDataParallel": "train.parallel",
+    "get_local_rank": "worker.runtime", "get_group": "worker.runtime",
+    "DDP": "train.parallel", "DistributedDataParallel": "train.parallel", "DataParallel": "train.parallel",
     "Optimizer": "train.guard", "DataLoader": "train.guard", "DistributedSampler": "train.guard",
-    "start_epoch": "train.guard",
+    "start_epoch": "train.guard", "ShardedSampler": "train.data",
     "Session": "train.session", "SessionConfig": "train.session", "Step": "train.session",
-    "TrainState": "train.state", "GracefulStop": "train.preempt",
+    "TrainState": "train.state", "GracefulStop": "train.preempt", "StepTimeMonitor": "train.callbacks",
+    "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",
+    "save_sharded": "checkpoint.sharded", "load_sharded": "checkpoint.reshard",
+    "init_optimizer_state": "checkpoint.reshard", "recover_rank": "checkpoint.replicas",
 }
+# MindSpore-style names (compat/mindspore.py), reachable here too for scripts written before it
+_MINDSPORE = ("Callback", "CheckpointConfig", "ExceptionCheckpoint", "LossMonitor", "Model", "ModelCheckpoint",
+              "load_checkpoint", "load_param_into_net", "restore_group_info_list")
+_LAZY.update(dict.fromkeys(_MINDSPORE, "compat.mindspore"))
 
-__all__ = sorted(_LAZY) + [
+__all__ = sorted(set(_LAZY) - set(_MINDSPORE)) + [
     "CheckpointCorrupt", "CheckpointError", "ClusterFailed", "ClusterStateError", "ConfigError", "FencedError",
     "ProtocolError", "RecoveryError", "RegistrationRejected", "RendezvousTimeout", "SchedulerUnavailable",
     "TrainguardError", "JobStopped", "Retriable", "EXIT_PREEMPTED", "EXIT_FAULT_STOP",
@@ -51,4 +62,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return __all__
+    return __all__ + list(_MINDSPORE)

@@ -17,7 +17,11 @@ from typing import Mapping
 
 from .errors import ConfigError
 from .strategies import (
-    DEFAULT_ELASTIC_DEADLINE_S, DEFAULT_MAX_RETRIES, DEFAULT_STRATEGY, RecoverStrategy, parse_strategy,
+    DEFAULT_ELASTIC_DEADLINE_S,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_STRATEGY,
+    RecoverStrategy,
+    parse_strategy,
     require_implemented,
 )
 

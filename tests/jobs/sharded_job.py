@@ -46,7 +46,11 @@ def mlp(seed: int) -> nn.Module:
 def build(layout: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     model, world = mlp(seed), dist.get_world_size()
     kind, _, dims = layout.partition("-")

@@ -33,7 +33,14 @@ from safetensors.torch import load as st_load
 from ..errors import CheckpointError
 from . import io
 from .layout import CheckpointLayout
-from .manifest import MANIFEST, FileEntry, bad_file_name, new_manifest, read, required_files
+from .manifest import (
+    MANIFEST,
+    FileEntry,
+    bad_file_name,
+    new_manifest,
+    read,
+    required_files,
+)
 from .safeheader import DTYPE_NAMES, DTYPES, check_header
 from .safeheader import corrupt as _corrupt
 
@@ -212,7 +219,7 @@ def read_shard_metadata(path: Path, entry: FileEntry, verify: bool = True) -> tu
         raise _corrupt(path, f"safetensors could not parse it ({exc})") from None
 
 
-def load_checkpoint(folder: Path, *, verify: bool = True) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+def read_checkpoint(folder: Path, *, verify: bool = True) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     """(shards, manifest) of a complete checkpoint; verify=True also checks every sha256."""
     m = read(folder)
     return {name: read_shard(m.folder / name, entry, verify) for name, entry in m.files.items()}, m.raw

@@ -37,8 +37,18 @@ from . import io
 from .codec import flatten_state
 from .format import commit_checkpoint, temp_folder, write_shard
 from .groupinfo import group_info_file, write_group_info
-from .layout import CheckpointLayout, Piece, Slice, TensorLayout, check_cover, group_pieces, is_dtensor, \
-    local_slice, mesh_info, replica_groups
+from .layout import (
+    CheckpointLayout,
+    Piece,
+    Slice,
+    TensorLayout,
+    check_cover,
+    group_pieces,
+    is_dtensor,
+    local_slice,
+    mesh_info,
+    replica_groups,
+)
 from .manifest import new_manifest, rank_file
 from .safeheader import dtype_name
 

@@ -14,8 +14,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import (ClusterFailed, FencedError, ProtocolError, RegistrationRejected, RendezvousTimeout,
-                      SchedulerUnavailable)
+from ..errors import (
+    ClusterFailed,
+    FencedError,
+    ProtocolError,
+    RegistrationRejected,
+    RendezvousTimeout,
+    SchedulerUnavailable,
+)
 from . import protocol as p
 
 log = logging.getLogger("trainguard.client")

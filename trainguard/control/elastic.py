@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 
+from . import formation as fm
 from . import membership as m
 
 log = logging.getLogger("trainguard.scheduler")
@@ -36,26 +37,26 @@ class ElasticScheduling:
             if node.state is m.NodeState.DEAD and node.dead_since <= 0:
                 node.dead_since = now
         if cluster.formed and not cluster.members:  # cluster.db keeps no member list: those not dead at load
-            cluster.members = m.generation_members(cluster)
+            cluster.members = fm.generation_members(cluster)
 
     def regrow(self, cluster: m.Cluster, node_id: str) -> bool:
         """A node registered: if the formed generation runs without it, end that generation."""
-        if not m.decide_regrow(cluster, node_id):
+        if not fm.decide_regrow(cluster, node_id):
             return False
         log.info("elastic: %s is back; generation %d (%d workers) ends at the next commit point", node_id,
-                 cluster.generation, m.generation_size(cluster))
+                 cluster.generation, fm.generation_size(cluster))
         m.bump_generation(cluster)
         return True
 
     def finishing(self, cluster: m.Cluster) -> None:
         """The current generation agreed that training is done."""
-        cluster.finishing = m.generation_members(cluster)
+        cluster.finishing = fm.generation_members(cluster)
 
     def job_over(self, cluster: m.Cluster) -> bool:
         """After a finish: end the job if every live member has left (dead ones are not waited for)."""
         if cluster.job is not m.JobState.RUNNING:
             return False
-        state = m.elastic_job_over(cluster)
+        state = fm.elastic_job_over(cluster)
         if state is None:
             return False
         cluster.job = state

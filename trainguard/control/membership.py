@@ -30,7 +30,8 @@ node order: with node 1 of 0,1,2 gone, node 0 is rank 0 and node 2 is rank 1). A
 registers again while a smaller generation runs bumps the generation (`decide_regrow`); the
 next generation, formed at the survivors' next commit point, holds it again at its own rank.
 A node's fixed rank (`Node.rank`) never changes; its rank in a generation is
-`generation_rank`, and the generation's size `generation_size`.
+`generation_rank`, and the generation's size `generation_size`. Formation and the generation's
+members are formation.py.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Cluster:
         return {n.rank: n for n in self.nodes.values() if n.rank >= 0}
 
     def describe(self) -> str:
-        parts = [f"{n.node_id}(rank {n.rank}, {n.state.value})" for n in sorted(self.nodes.values(), key=_sort_key)]
+        parts = [f"{n.node_id}(rank {n.rank}, {n.state.value})" for n in sorted(self.nodes.values(), key=node_order)]
         return ", ".join(parts) or "none"
 
 
@@ -119,12 +120,12 @@ class RegisterDecision:
     reason: str = ""
 
 
-def _natural(node_id: str) -> tuple:
+def natural_key(node_id: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", node_id))
 
 
-def _sort_key(n: Node) -> tuple:
-    return (n.rank if n.rank >= 0 else 1 << 30, _natural(n.node_id))
+def node_order(n: Node) -> tuple:
+    return (n.rank if n.rank >= 0 else 1 << 30, natural_key(n.node_id))
 
 
 def generated_id(cluster: Cluster) -> str:
@@ -186,10 +187,10 @@ def decide_register(
     # a node id we have not seen
     if len(cluster.nodes) < cluster.worker_num:
         return RegisterDecision(Action.ADMIT, node_id)
-    dead = sorted((n for n in cluster.nodes.values() if n.state is NodeState.DEAD), key=_sort_key)
+    dead = sorted((n for n in cluster.nodes.values() if n.state is NodeState.DEAD), key=node_order)
     if dead and recovery:
         return RegisterDecision(Action.READMIT, node_id, rank=dead[0].rank, replaces=dead[0].node_id)
-    ids = ", ".join(sorted(cluster.nodes, key=_natural))
+    ids = ", ".join(sorted(cluster.nodes, key=natural_key))
     return RegisterDecision(
         Action.REJECT, node_id, code=ErrorCode.FULL,
         reason=(f"cluster full: {cluster.worker_num} of {cluster.worker_num} workers are registered ({ids}); "
@@ -232,7 +233,7 @@ def assign_ranks(cluster: Cluster) -> None:
             node.rank = int(node.node_id)
             taken.add(node.rank)
     free = iter(r for r in range(n) if r not in taken)
-    for node in sorted((x for x in pending if x.rank < 0), key=lambda x: _natural(x.node_id)):
+    for node in sorted((x for x in pending if x.rank < 0), key=lambda x: natural_key(x.node_id)):
         node.rank = next(free)
 
 
@@ -282,105 +283,6 @@ def bump_generation(cluster: Cluster) -> None:
     cluster.formed = False
     cluster.members = ()
     cluster.joined.clear()
-
-
-@dataclass(frozen=True, slots=True)
-class Formation:
-    """Whether the pending generation can form now: its members (node ids in generation-rank order),
-    or None and why not; `wake_at`: when an elastic deadline will pass and the answer may change."""
-
-    members: tuple[str, ...] | None
-    reason: str
-    wake_at: float | None = None
-
-
-def decide_formation(cluster: Cluster, now: float = 0.0, elastic_deadline: float | None = None) -> Formation:
-    """Full formation: all N alive and joined. Elastic (a deadline given): after the first formation,
-    without the members dead for at least `elastic_deadline` s, if every live member has joined."""
-    if cluster.formed:
-        return Formation(None, f"generation {cluster.generation} is already formed")
-    alive = [n for n in cluster.nodes.values() if n.state is NodeState.ALIVE]
-    waiting = sorted((n.node_id for n in alive if n.node_id not in cluster.joined), key=_natural)
-    if waiting:
-        return Formation(None, f"waiting for {', '.join(waiting)} to join")
-    if len(alive) == cluster.worker_num:
-        return Formation(tuple(n.node_id for n in sorted(alive, key=_sort_key)), "all members joined")
-    if elastic_deadline is None:
-        return Formation(None, f"{len(alive)} of {cluster.worker_num} members alive")
-    if len(cluster.nodes) < cluster.worker_num or any(n.rank < 0 for n in cluster.nodes.values()):
-        return Formation(None, "the cluster has never formed at full size; elastic shrinking starts after that")
-    if not alive:
-        return Formation(None, "no live member left")
-    others = [n for n in cluster.nodes.values() if n.state is not NodeState.ALIVE]
-    if any(n.state is NodeState.UNKNOWN for n in others):
-        return Formation(None, "members loaded from cluster.db have not reattached yet")
-    dead = [n for n in others if n.state is NodeState.DEAD]
-    due = max((n.dead_since + elastic_deadline for n in dead), default=now)
-    if now < due:
-        late = ", ".join(n.node_id for n in sorted(dead, key=_sort_key))
-        return Formation(None, f"{late} may come back until the elastic deadline ({due - now:.1f} s left)", due)
-    members = tuple(n.node_id for n in sorted(alive, key=_sort_key))
-    return Formation(members, f"elastic: going on with {len(members)} of {cluster.worker_num} "
-                              f"(without {', '.join(n.node_id for n in sorted(dead, key=_sort_key))})")
-
-
-def try_form(cluster: Cluster, now: float = 0.0, elastic_deadline: float | None = None) -> bool:
-    """Form the pending generation if `decide_formation` allows it (ranks are fixed on the first)."""
-    formation = decide_formation(cluster, now, elastic_deadline)
-    if formation.members is None:
-        return False
-    assign_ranks(cluster)  # the first full formation fixes them
-    cluster.members = tuple(sorted(formation.members, key=lambda x: _sort_key(cluster.nodes[x])))
-    cluster.formed = True
-    return True
-
-
-def generation_members(cluster: Cluster) -> tuple[str, ...]:
-    """Node ids of the current generation in generation-rank order (a scheduler restarted from
-    cluster.db has not stored them: every node that is not dead, by fixed rank)."""
-    if cluster.members:
-        return cluster.members
-    return tuple(n.node_id for n in sorted(cluster.nodes.values(), key=_sort_key)
-                 if n.state is not NodeState.DEAD and n.rank >= 0)
-
-
-def generation_rank(cluster: Cluster, node_id: str) -> int:
-    """The node's rank in the current generation (its fixed rank in a full one)."""
-    members = generation_members(cluster)
-    return members.index(node_id) if node_id in members else cluster.nodes[node_id].rank
-
-
-def generation_size(cluster: Cluster) -> int:
-    return len(generation_members(cluster)) or cluster.worker_num
-
-
-def decide_regrow(cluster: Cluster, node_id: str) -> bool:
-    """Elastic: a node just (re-)registered while a generation without it is formed, so that
-    generation must end (the survivors regroup at their next commit point and take it back)."""
-    return cluster.formed and node_id not in generation_members(cluster)
-
-
-def elastic_job_over(cluster: Cluster) -> JobState | None:
-    """Elastic: the job ends when no member is alive any more and at least one finished; the
-    dead ones are not waited for (their replacements, if any, are too late). Once a generation
-    agreed to finish (`finishing`), only its members are waited for."""
-    nodes = [cluster.nodes[x] for x in cluster.finishing if x in cluster.nodes] or list(cluster.nodes.values())
-    states = [n.state for n in nodes]
-    if any(st in (NodeState.ALIVE, NodeState.UNKNOWN) for st in states):
-        return None
-    if not any(st in (NodeState.FINISHED, NodeState.STOPPED) for st in states):
-        return None
-    return JobState.STOPPED if NodeState.STOPPED in states else JobState.DONE
-
-
-def missing_for_formation(cluster: Cluster) -> str:
-    have = {n.node_id for n in cluster.alive() if n.node_id in cluster.joined}
-    missing = [n for n in cluster.nodes.values() if n.node_id not in have]
-    absent = cluster.worker_num - len(cluster.nodes)
-    parts = [f"{n.node_id} ({n.state.value})" for n in sorted(missing, key=_sort_key)]
-    if absent > 0:
-        parts.append(f"{absent} never registered")
-    return ", ".join(parts) or "none"
 
 
 def local_rank_of(cluster: Cluster, node: Node) -> int:

@@ -14,7 +14,14 @@ import struct
 from typing import Annotated, Literal, Union
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from ..config import MAX_FRAME_BYTES
 from ..errors import ProtocolError

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from . import formation as fm
 from . import membership as m
 from . import protocol as p
 from .decisions import decide_agreement
@@ -43,16 +44,16 @@ class RendezvousRequests:
             if not changed:
                 return p.Error(code=p.ErrorCode.TIMEOUT, message=(
                     f"waited {req.timeout:g} s for generation {c.generation} to form; "
-                    f"missing: {m.missing_for_formation(c)}"), retry=True)
+                    f"missing: {fm.missing_for_formation(c)}"), retry=True)
 
     async def _try_form(self) -> bool:
         """Form the pending generation if membership allows it now (elastic: maybe smaller)."""
         c = self.cluster
-        if not m.try_form(c, time.monotonic(), self.elastic_deadline):
+        if not fm.try_form(c, time.monotonic(), self.elastic_deadline):
             return False
         self._persist()
         self.kv.keep_only(c.generation)
-        size = m.generation_size(c)
+        size = fm.generation_size(c)
         log.info("generation %d formed with %d workers", c.generation, size)
         self.events.emit("generation_formed", generation=c.generation, world_size=size, members=list(c.members))
         await self._notify()
@@ -61,9 +62,9 @@ class RendezvousRequests:
     def _formed_reply(self, node: m.Node) -> p.Formed:
         c = self.cluster  # ranks in the generation: fixed ranks, or 0..n-1 in their order in a smaller one
         members = [p.Member(node_id=n.node_id, rank=i, host=n.host, pid=n.pid, incarnation=n.incarnation)
-                   for i, n in enumerate(c.nodes[x] for x in m.generation_members(c))]
-        return p.Formed(generation=c.generation, rank=m.generation_rank(c, node.node_id),
-                        world_size=m.generation_size(c), local_rank=m.local_rank_of(c, node), members=members)
+                   for i, n in enumerate(c.nodes[x] for x in fm.generation_members(c))]
+        return p.Formed(generation=c.generation, rank=fm.generation_rank(c, node.node_id),
+                        world_size=fm.generation_size(c), local_rank=m.local_rank_of(c, node), members=members)
 
     async def _on_agree(self, req: p.Agree):
         c = self.cluster
@@ -76,8 +77,8 @@ class RendezvousRequests:
         if req.generation != c.generation or not c.formed:
             return fenced
         got = self._agreements.setdefault(key, {})
-        got[m.generation_rank(c, node.node_id)] = req.payload
-        if len(got) == m.generation_size(c) and key not in self._decisions:
+        got[fm.generation_rank(c, node.node_id)] = req.payload
+        if len(got) == fm.generation_size(c) and key not in self._decisions:
             decision = decide_agreement(req.purpose, got)
             self._decisions[key] = decision
             if self.elastic and req.purpose == "finish" and decision.get("ok"):

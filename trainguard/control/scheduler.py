@@ -21,13 +21,15 @@ from ..exitcodes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..obs.events import EventLog
 from . import membership as m
 from . import protocol as p
-from .agents import AgentBoard  # recover: where a dead worker starts again (hooks: _on_agent_*)
+from .agents import (
+    AgentBoard,  # recover: where a dead worker starts again (hooks: _on_agent_*)
+)
 from .db import ClusterDB
 from .elastic import ElasticScheduling
 from .kvstore import KVStore
 from .placement import PlacementPolicy
-from .sched_child import die_with_parent, publish_port
 from .rendezvous import RendezvousRequests
+from .sched_child import die_with_parent, publish_port
 
 log = logging.getLogger("trainguard.scheduler")
 

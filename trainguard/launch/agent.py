@@ -26,13 +26,27 @@ import threading
 import time
 from typing import Mapping, Sequence, TextIO
 
+from .. import signals
 from ..config import Role
-from ..errors import ConfigError
+from ..control.client import report_exit
+from ..errors import ConfigError, TrainguardError
 from ..obs.events import EventLog, format_recovery, summarize_recovery
-from .children import Child, _pump
+from .children import Child
 from .policy import (
-    Action, Decision, Failure, LaunchSpec, decide_exit, ended_exit, failure_summary, job_exit_code, scheduler_env,
-    signal_name, signalled_exit, spare_env, worker_cmd, worker_env,
+    Action,
+    Decision,
+    Failure,
+    LaunchSpec,
+    decide_exit,
+    ended_exit,
+    failure_summary,
+    job_exit_code,
+    scheduler_env,
+    signal_name,
+    signalled_exit,
+    spare_env,
+    worker_cmd,
+    worker_env,
 )
 from .relocate import Relocation
 from .spare_pool import SparePool, activate
@@ -76,7 +90,6 @@ class Supervisor(Relocation):
         self.fault_stops: list[Failure] = []  # workers that left (76) because the job stops after a fault
         self._signals: list[int] = []
         self._lock = threading.Lock()
-        self._can_report = True
         self._exits: queue.Queue[tuple[Child, subprocess.Popen, int]] = queue.Queue()
         self._placing = threading.Lock()  # recover: what runs here, as the sync thread reports it
         self._handled: list[int] = []  # recover: the placement orders carried out here
@@ -91,7 +104,7 @@ class Supervisor(Relocation):
         return next((c for c in self.children if c.role is Role.SCHEDULER), None)
 
     def run(self) -> int:
-        previous = self._install_signal_handlers()
+        previous = signals.install(lambda signum, _frame: self._signals.append(signum))
         try:
             spec = self.spec
             spares = spec.hot_spares if self.spares else 0
@@ -117,8 +130,7 @@ class Supervisor(Relocation):
                 self.link.close()
             self._close_spares()
             self._kill(self.children)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            signals.restore(previous)
             for child in self.children:
                 if child.log is not None:
                     child.log.close()
@@ -158,11 +170,13 @@ class Supervisor(Relocation):
 
     def _gasp_saved(self) -> bool | None:
         """Did the workers that stopped gracefully save a dying-gasp checkpoint (their events say)?"""
-        path = self.spec.recovery_path / "events.jsonl" if self.spec.recovery_path else None
-        if path is None or not path.is_file():
-            return None
-        stops = [e for e in EventLog.read(path) if e.get("event") == "graceful_exit"]
+        stops = [e for e in self._events() if e.get("event") == "graceful_exit"]
         return any(e.get("saved") for e in stops) if stops else None
+
+    def _events(self) -> list[dict]:
+        """The job's events.jsonl so far ([] without a recovery path)."""
+        path = self.spec.recovery_path / "events.jsonl" if self.spec.recovery_path else None
+        return EventLog.read(path) if path is not None and path.is_file() else []
 
     def _signalled_code(self, signum: int) -> int:
         code, message = signalled_exit([w.popen.returncode for w in self.workers if w.popen is not None], signum,
@@ -234,9 +248,7 @@ class Supervisor(Relocation):
         """Elastic: the job ended (the scheduler exited 0) while a dead worker's replacement was still on its
         way back; training is done without it, so it is stopped and not counted as a failure. Workers that
         finished (a `finished` event in events.jsonl) are left to exit by themselves."""
-        path = self.spec.recovery_path / "events.jsonl" if self.spec.recovery_path else None
-        done = {e.get("node") for e in EventLog.read(path) if e.get("event") == "finished"} if (
-            path is not None and path.is_file()) else set()
+        done = {e.get("node") for e in self._events() if e.get("event") == "finished"}
         late = [w for w in self.workers if not w.done and w.node_id not in done]
         for w in late:
             self._say(f"the job is over; {w.name} came back too late and is stopped")
@@ -298,15 +310,7 @@ class Supervisor(Relocation):
         child.done = False
         with self._lock:
             child.tail.clear()
-        prefix = f"[{child.name}] "
-        child.pumps = [
-            threading.Thread(target=_pump, args=(child.popen.stdout, prefix, self.out, self._lock, None, child.log),
-                             name=f"tg-{child.name}-out", daemon=True),
-            threading.Thread(target=_pump, args=(child.popen.stderr, prefix, self.err, self._lock, child.tail,
-                                                 child.log), name=f"tg-{child.name}-err", daemon=True),
-        ]
-        for pump in child.pumps:
-            pump.start()
+        child.start_pumps(self.out, self.err, self._lock)
         threading.Thread(target=self._await_exit, args=(child, child.popen), name=f"tg-{child.name}-wait",
                          daemon=True).start()
 
@@ -343,21 +347,10 @@ class Supervisor(Relocation):
             time.sleep(POLL_INTERVAL_S)
 
     def _kill(self, children: Sequence[Child]) -> None:
-        """SIGKILL each child's whole process group (it has its own session), then reap it.
-
-        Children that finished (exit 0) are skipped: their group id may long since name another process.
-        """
         for child in children:
-            if child.popen is None or child.done:
-                continue
-            with contextlib.suppress(ProcessLookupError):  # an empty group: nothing left to clean up
-                os.killpg(child.popen.pid, signal.SIGKILL)
-            try:
-                child.popen.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                self._say(f"{child.name} (pid {child.popen.pid}) survives SIGKILL (stuck in the kernel?)")
-            for pump in child.pumps:
-                pump.join(PUMP_DRAIN_S)
+            problem = child.kill_group(PUMP_DRAIN_S)
+            if problem:
+                self._say(problem)
 
     def _placed_worker(self, node_id: str) -> Child:
         """recover: the child for a worker placed here from another host. It keeps its node id (so its rank) and
@@ -382,13 +375,7 @@ class Supervisor(Relocation):
         sched = self.scheduler
         if sched is not None and sched.done:
             return "the job had ended (the scheduler exited 0)"
-        if not self._can_report or (sched is not None and not sched.alive()):
-            return ""
-        try:
-            from ..control.client import report_exit
-        except ImportError as exc:
-            self._can_report = False
-            self._say(f"cannot report exits to the scheduler ({exc}); it will see them by heartbeat")
+        if sched is not None and not sched.alive():
             return ""
         rc = failure.returncode
         code, sig = (None, -rc) if rc < 0 else (rc, None)
@@ -397,7 +384,7 @@ class Supervisor(Relocation):
             ok, over = report_exit(address, child.node_id or "", failure.pid, code, sig,
                                    "\n".join(([why] if why else []) + list(failure.tail))[-16000:],
                                    timeout=REPORT_TIMEOUT_S, final=final)
-        except Exception as exc:  # a failed report must never block the restart
+        except (OSError, TrainguardError) as exc:  # a failed report must never block the restart
             self._say(f"reporting the exit of {child.name} failed: {exc!r}")
             return ""
         if not ok:
@@ -409,24 +396,15 @@ class Supervisor(Relocation):
     def _print_recoveries(self) -> None:
         """One line per recovery of this job that resumed training, with its MTTR and lost steps (from
         events.jsonl). A failure nothing resumed from is the final message's business, not a recovery."""
-        path = self.spec.recovery_path / "events.jsonl" if self.spec.recovery_path else None
-        if path is None or not path.is_file() or not self.spec.hosts_scheduler:
+        if not self.spec.hosts_scheduler:
             return
-        resumed = [rec for rec in summarize_recovery(EventLog.read(path)) if rec["to_step"] is not None]
+        resumed = [rec for rec in summarize_recovery(self._events()) if rec["to_step"] is not None]
         for i, rec in enumerate(resumed, 1):
             print(format_recovery(i, rec), file=self.out, flush=True)
 
     def _say(self, message: str) -> None:
         with self._lock:
             print(f"[agent] {message}", file=self.err, flush=True)
-
-    def _install_signal_handlers(self) -> dict[int, object]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-            previous[sig] = signal.signal(sig, lambda signum, _frame: self._signals.append(signum))
-        return previous
 
 
 def launch(spec: LaunchSpec, **kwargs: object) -> int:

@@ -3,6 +3,9 @@ its output, line by line and prefixed with its name, to the agent's own output a
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -38,8 +41,37 @@ class Child:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def start_pumps(self, out: TextIO, err: TextIO, lock: threading.Lock) -> None:
+        """Copy the process's stdout to `out` and stderr to `err` (and to its tail), prefixed with its name."""
+        assert self.popen is not None
+        prefix = f"[{self.name}] "
+        self.pumps = [
+            threading.Thread(target=pump_lines, args=(self.popen.stdout, prefix, out, lock, None, self.log),
+                             name=f"tg-{self.name}-out", daemon=True),
+            threading.Thread(target=pump_lines, args=(self.popen.stderr, prefix, err, lock, self.tail, self.log),
+                             name=f"tg-{self.name}-err", daemon=True),
+        ]
+        for pump in self.pumps:
+            pump.start()
 
-def _pump(stream: IO[bytes], prefix: str, sink: TextIO, lock: threading.Lock,
+    def kill_group(self, drain_s: float) -> str:
+        """SIGKILL the child's whole process group (it has its own session) and reap it; "" or what went wrong.
+        A child that finished (exit 0) is skipped: its group id may long since name another process."""
+        if self.popen is None or self.done:
+            return ""
+        with contextlib.suppress(ProcessLookupError):  # an empty group: nothing left to clean up
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        problem = ""
+        try:
+            self.popen.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            problem = f"{self.name} (pid {self.popen.pid}) survives SIGKILL (stuck in the kernel?)"
+        for pump in self.pumps:
+            pump.join(drain_s)
+        return problem
+
+
+def pump_lines(stream: IO[bytes], prefix: str, sink: TextIO, lock: threading.Lock,
           tail: deque[str] | None, log: IO[str] | None) -> None:
     """Copy a child's pipe line by line to `sink` with a prefix (and to its log file)."""
     broken = False

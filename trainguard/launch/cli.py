@@ -18,8 +18,14 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..config import (
-    RECOVERY_PATH_ENV, ROLE_ENV, SCHED_HOST_ENV, SCHED_PORT_ENV, WORKER_NUM_ENV, Role,
-    check_recovery_path, from_env,
+    RECOVERY_PATH_ENV,
+    ROLE_ENV,
+    SCHED_HOST_ENV,
+    SCHED_PORT_ENV,
+    WORKER_NUM_ENV,
+    Role,
+    check_recovery_path,
+    from_env,
 )
 from ..errors import CheckpointError, ConfigError
 from . import chaos
@@ -138,7 +144,9 @@ def _scheduler(args: argparse.Namespace) -> int:
         cfg = replace(cfg, sched_port=0)
     if cfg.enable_recovery and cfg.recovery_path is not None:
         check_recovery_path(cfg.recovery_path)
-    from ..control.scheduler import run_scheduler  # lazy: the agent must import without it
+    from ..control.scheduler import (
+        run_scheduler,  # lazy: the agent must import without it
+    )
 
     return run_scheduler(cfg, port_fd=args.port_fd, parent_pid=args.parent_pid)
 

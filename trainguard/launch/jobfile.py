@@ -25,15 +25,31 @@ import json
 from pathlib import Path
 from typing import Mapping
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from ..config import (
-    DEFAULT_GRACE_PERIOD_S, ELASTIC_DEADLINE_ENV, GRACE_PERIOD_ENV, MAX_RETRIES_ENV, RECOVER_STRATEGY_ENV, _float,
+    DEFAULT_GRACE_PERIOD_S,
+    ELASTIC_DEADLINE_ENV,
+    GRACE_PERIOD_ENV,
+    MAX_RETRIES_ENV,
+    RECOVER_STRATEGY_ENV,
+    _float,
     _int,
 )
 from ..errors import ConfigError
 from ..strategies import (
-    DEFAULT_ELASTIC_DEADLINE_S, DEFAULT_MAX_RETRIES, RecoverStrategy, parse_strategy, require_implemented,
+    DEFAULT_ELASTIC_DEADLINE_S,
+    DEFAULT_MAX_RETRIES,
+    RecoverStrategy,
+    parse_strategy,
+    require_implemented,
 )
 from .budget import DEFAULT_MAX_RESTARTS
 

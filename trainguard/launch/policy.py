@@ -16,15 +16,33 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..config import (
-    DEFAULT_GRACE_PERIOD_S, ELASTIC_DEADLINE_ENV, ENABLE_RECOVERY_ENV, GRACE_PERIOD_ENV, LOCAL_RANK_ENV,
-    MAX_RETRIES_ENV, NODE_ID_ENV, RECOVER_STRATEGY_ENV, RECOVERY_PATH_ENV, ROLE_ENV, SCHED_HOST_ENV, SCHED_PORT_ENV,
-    TORCHRUN_LOCAL_RANK, WORKER_NUM_ENV, Role,
+    DEFAULT_GRACE_PERIOD_S,
+    ELASTIC_DEADLINE_ENV,
+    ENABLE_RECOVERY_ENV,
+    GRACE_PERIOD_ENV,
+    LOCAL_RANK_ENV,
+    MAX_RETRIES_ENV,
+    NODE_ID_ENV,
+    RECOVER_STRATEGY_ENV,
+    RECOVERY_PATH_ENV,
+    ROLE_ENV,
+    SCHED_HOST_ENV,
+    SCHED_PORT_ENV,
+    TORCHRUN_LOCAL_RANK,
+    WORKER_NUM_ENV,
+    Role,
 )
-from ..errors import ConfigError
-from ..exitcodes import EXIT_CONFIG, EXIT_CONFIG_ERROR, EXIT_FAULT_STOP, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..control.placement import PlacementPolicy
-from ..strategies import DEFAULT_STRATEGY, RecoverStrategy, parse_strategy
+from ..errors import ConfigError
+from ..exitcodes import (
+    EXIT_CONFIG,
+    EXIT_CONFIG_ERROR,
+    EXIT_FAULT_STOP,
+    EXIT_JOB_FAILED,
+    EXIT_PREEMPTED,
+)
 from ..signals import signal_name
+from ..strategies import DEFAULT_STRATEGY, RecoverStrategy, parse_strategy
 from .budget import CRASH_LOOP_ADVICE, DEFAULT_MAX_RESTARTS, RestartRate
 from .worker_main import deterministic_error
 

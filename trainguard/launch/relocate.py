@@ -15,10 +15,10 @@ import threading
 import time
 from typing import Callable, Mapping
 
+from ..config import this_host
 from ..control import protocol as p
 from ..control.client import Connection
 from ..control.placement import PlacementPolicy
-from ..config import this_host
 from ..errors import ProtocolError, SchedulerUnavailable
 from ..strategies import Strategy
 

@@ -7,8 +7,8 @@ import hashlib
 import torch
 
 from ..errors import TrainguardError
-from ..worker.transfer import all_gather_bytes
 from ..train.callbacks import Callback
+from ..worker.transfer import all_gather_bytes
 
 
 class ReplicasDiverged(TrainguardError):

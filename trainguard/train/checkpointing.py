@@ -25,11 +25,12 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CheckpointError, ConfigError
 from ..checkpoint import jobsave
 from ..checkpoint.blob import unpack
 from ..checkpoint.format import checkpoint_name, new_manifest
 from ..checkpoint.retention import list_checkpoints, prune_checkpoints
+from ..errors import CheckpointError, ConfigError
+from ..worker import runtime as rt_mod
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -98,12 +99,6 @@ def _at_exit(func, *args) -> None:
         register(func, *args)
 
 
-def _runtime():
-    from ..worker import runtime
-
-    return runtime.current()
-
-
 class ModelCheckpoint:
     def __init__(self, prefix: str = "ckpt", directory: str | Path = "checkpoints",
                  config: CheckpointConfig | None = None):
@@ -134,12 +129,12 @@ class ModelCheckpoint:
         """Steps this job (its world size) can restore from disk. A save still waiting for a peer
         (which may have died) gets SETTLE_PATIENCE_S more, then is left incomplete."""
         self.settle(SETTLE_PATIENCE_S)
-        return [c.step for c in self._complete(_runtime().world_size)]
+        return [c.step for c in self._complete(rt_mod.current().world_size)]
 
     def load(self, step: int) -> dict:
         """{"shared": ..., "own": ...} of this rank at `step`, verified; CheckpointCorrupt names the file.
         A missing or corrupt file of this rank is read from a bit-identical replica, and rewritten."""
-        rt = _runtime()
+        rt = rt_mod.current()
         for info in reversed(self._complete(rt.world_size)):
             if info.step == step:
                 state, source = jobsave.load_rank(info.path, rt.rank, rt.world_size)
@@ -222,21 +217,29 @@ class ModelCheckpoint:
     def _emit(self, event: str, **fields) -> None:
         events = self._events
         if events is None:
-            try:
-                events = _runtime().events
-            except Exception as exc:  # no runtime (a test, a tool): the log line is the report
-                log.debug("no event log for %s: %s", event, exc)
+            rt = rt_mod.active()
+            if rt is None:  # no runtime (a test, a tool): the log line is the report
                 return
+            events = rt.events
         events.emit(event, **fields)
 
     def settle(self, patience: float | None = None) -> None:
         """Wait for the save in flight here and in siblings; a commit still waiting for peers gives
         up after `patience` seconds (None: its own timeout)."""
-        for saver in (self, *self._siblings):
-            saver._writer.settle(patience)
+        for writer in (self._writer, *(s.writer for s in self._siblings)):
+            writer.settle(patience)
 
     def wait(self) -> None:
         self.settle(None)
+
+    @property
+    def writer(self) -> jobsave.Waiter:
+        """The background writer of this saver's checkpoints."""
+        return self._writer
+
+    def add_sibling(self, other: "ModelCheckpoint") -> None:
+        """`other` writes the same folders: settle() and wait() wait for its saves too."""
+        self._siblings.append(other)
 
     def on_train_end(self, session) -> None:
         self.wait()
@@ -302,7 +305,7 @@ class DiskSources(list):
             if isinstance(c, ModelCheckpoint):
                 key = (c.root.resolve(), c.prefix)
                 if key in unique and unique[key] is not c:
-                    c._siblings.append(unique[key])  # settle/wait covers the one it replaces
+                    c.add_sibling(unique[key])  # settle/wait covers the one it replaces
                 unique[key] = c
         super().__init__(unique.values())
 

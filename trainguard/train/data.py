@@ -29,10 +29,18 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..worker import runtime as rt_mod
 
-# Set by the runtime to a callable returning (world_size, rank). Read when a sampler built
-# without num_shards/shard_id first needs them; unset means a single shard, (1, 0).
-default_shard_info: Callable[[], tuple[int, int]] | None = None
+
+def runtime_shards() -> tuple[int, int]:
+    """(world size, rank) of this process's trainguard runtime; one shard, (1, 0), before trainguard.init()."""
+    rt = rt_mod.active()
+    return (rt.world_size, rt.rank) if rt is not None else (1, 0)
+
+
+# Returns (world_size, rank), read when a sampler built without num_shards/shard_id first needs
+# them (after trainguard.init(): this generation's); None means a single shard, (1, 0).
+default_shard_info: Callable[[], tuple[int, int]] | None = runtime_shards
 
 
 def _check_int(name: str, value: Any, lo: int) -> int:

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..errors import CheckpointError, TrainguardError
 
@@ -145,8 +146,27 @@ def write_dying_gasp(savers, items: list[tuple], session, deadline: float,
             result.completed += [str(f) for f in done]
             result.errors += errors
 
-    thread = threading.Thread(target=work, name=GASP_THREAD, daemon=True)
+    result.pending = not run_before(deadline, work)
+    return result
+
+
+def run_before(deadline: float, work: Callable[[], object]) -> bool:
+    """The one dying-gasp watchdog: run `work` in a thread (named GASP_THREAD) until time.monotonic()
+    reaches `deadline`. True if it finished (its exception, if any, is raised here); False if it is
+    still running: the caller must then leave with os._exit, so the save never completes behind its back."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=GASP_THREAD, daemon=True)
     thread.start()
     thread.join(max(0.0, deadline - time.monotonic()))
-    result.pending = thread.is_alive()
-    return result
+    if thread.is_alive():
+        return False
+    if failure:
+        raise failure[0]
+    return True

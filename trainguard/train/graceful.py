@@ -27,18 +27,17 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from typing import NoReturn
 
+from .. import signals
 from ..errors import JobStopped
 from ..exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
-from .dump import DumpResult, dump_targets, write_dying_gasp
 from ..signals import signal_name
+from .dump import DumpResult, dump_targets, write_dying_gasp
 
 log = logging.getLogger("trainguard.graceful")
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 MARGIN_FRACTION, MARGIN_MAX_S = 0.2, 1.0  # of the grace period, kept for leaving after the save
 GOODBYE_PATIENCE_S = 2.0  # how long a leaving worker waits for the scheduler
 
@@ -53,18 +52,15 @@ class StopRequest:
 
     @contextlib.contextmanager
     def armed(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._previous = signals.install(self._on_signal)
         try:
             yield self
         finally:
             self._disarm()
 
     def _disarm(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        signals.restore(self._previous)
+        self._previous = {}
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.signum:  # a second signal: no more patience

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CollectiveFailed, ConfigError
 from ..worker import runtime as rt_mod
 from .checkpointing import CheckpointConfig, ExceptionCheckpoint
-from ..errors import CollectiveFailed, ConfigError
 from .data import ShardedSampler
 from .parallel import DataParallel
 from .session import Session, SessionConfig

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from typing import Callable, NoReturn
 
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from ..errors import JobStopped
 from ..exitcodes import EXIT_PREEMPTED
 from ..signals import signal_name
+from .dump import run_before
 from .graceful import GOODBYE_PATIENCE_S, StopRequest
 
 
@@ -64,18 +64,11 @@ class GracefulStop:
         """Run `save` (it may be collective) before the deadline, say goodbye, and exit 75."""
         rt, name = self.rt, signal_name(self.request.signum)
         deadline = self.request.deadline(self.grace)
-        done = threading.Event()
-
-        def watchdog() -> None:
-            if not done.wait(max(0.0, deadline - time.monotonic())):
-                print(f"trainguard: rank {rt.rank}: {name}: the dying-gasp save of step {step} did not finish "
-                      f"within the grace period ({self.grace:g} s); it is left incomplete", file=sys.stderr,
-                      flush=True)
-                os._exit(EXIT_PREEMPTED)
-
-        threading.Thread(target=watchdog, name="trainguard-grace", daemon=True).start()
-        save()
-        done.set()
+        if not run_before(deadline, save):
+            print(f"trainguard: rank {rt.rank}: {name}: the dying-gasp save of step {step} did not finish "
+                  f"within the grace period ({self.grace:g} s); it is left incomplete", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_PREEMPTED)
         rt.events.emit("graceful_exit", rank=rt.rank, step=step, signal=name, saved=[step], pending=False)
         print(f"trainguard: rank {rt.rank}: {name}: stopped at step {step}; saved a dying-gasp checkpoint; "
               "run the same command again to resume", file=sys.stderr, flush=True)

@@ -29,14 +29,22 @@ import logging
 import time
 from typing import Iterator
 
-from ..worker import runtime as rt_mod
 from ..checkpoint.blob import pack, unpack
 from ..checkpoint.codec import flatten_state
-from .checkpointing import DiskSources
-from ..errors import ClusterFailed, CollectiveFailed, ConfigError, FencedError, RecoveryError, Retriable
 from ..control.restore_plan import lost_steps
+from ..errors import (
+    ClusterFailed,
+    CollectiveFailed,
+    ConfigError,
+    FencedError,
+    RecoveryError,
+    Retriable,
+)
+from ..worker import runtime as rt_mod
 from ..worker.transfer import all_max, broadcast_int, recv_bytes, send_bytes
-from . import phase as elastic, parallel_strategy
+from . import parallel_strategy
+from . import phase as elastic
+from .checkpointing import DiskSources
 from .data import sampler_of
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .parallel import DataParallel

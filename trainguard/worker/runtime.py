@@ -23,10 +23,16 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from .. import config as C
 from ..control import protocol as p
 from ..control.client import Heartbeater, SchedulerClient
-from .store import SchedulerStore, generation_prefix
-from ..errors import ClusterFailed, ConfigError, FencedError, SchedulerUnavailable, TrainguardError
+from ..errors import (
+    ClusterFailed,
+    ConfigError,
+    FencedError,
+    SchedulerUnavailable,
+    TrainguardError,
+)
 from ..obs.events import EventLog
 from .sever import GroupSockets, open_sockets, scheduler_peers
+from .store import SchedulerStore, generation_prefix
 
 log = logging.getLogger("trainguard.worker.runtime")
 
@@ -269,10 +275,12 @@ def init(env=None) -> Runtime:
     _runtime = rt
     # scripts written for torchrun read these after init_process_group(): same names, this generation's values
     os.environ.update(RANK=str(rt.rank), WORLD_SIZE=str(rt.world_size), LOCAL_RANK=str(rt.local_rank))
-    from ..train import data
-
-    data.default_shard_info = lambda: (rt.world_size, rt.rank)
     return rt
+
+
+def active() -> Runtime | None:
+    """This process's runtime, or None before init()."""
+    return _runtime
 
 
 def current() -> Runtime:
