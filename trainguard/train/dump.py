@@ -119,15 +119,15 @@ class DumpResult:
         return "; ".join(parts) or "nothing to save"
 
 
-def write_dying_gasp(savers, items: list[tuple], session, deadline: float,
-                     settle: float | None = None) -> DumpResult:
+def write_dying_gasp(savers, items: list[tuple], *, steps_per_epoch: int | None, world_size: int, grace: float,
+                     deadline: float, settle: float | None = None) -> DumpResult:
     """Write each (snapshot, rank, own blob) with each saver, in a thread joined until `deadline`.
 
     Every rank writes its part into the checkpoint's shared folder; the process that wrote rank
     0's part then waits (until `deadline`) for the others and writes the manifest. A regular save
     still in flight finishes first; with `settle` (after a fault: a peer may be dead) one still
     waiting for its peers gives up after that many seconds."""
-    result = DumpResult(grace=session.rt.cfg.grace_period)
+    result = DumpResult(grace=grace)
     if not savers:
         result.no_saver = True
         return result
@@ -137,7 +137,7 @@ def write_dying_gasp(savers, items: list[tuple], session, deadline: float,
             saver.settle(settle)  # a regular save still in flight comes first (it may be this very step)
             for snap, rank, own in items:
                 try:
-                    folder = saver.save_dying_gasp(snap, rank, own, session.steps_per_epoch, session.rt.world_size)
+                    folder = saver.save_dying_gasp(snap, rank, own, steps_per_epoch, world_size)
                     result.saved.append((rank, snap.step, str(folder) if folder else ""))
                 except (CheckpointError, OSError) as exc:
                     result.errors.append(f"rank {rank} step {snap.step}: {exc}")

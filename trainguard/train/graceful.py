@@ -89,7 +89,8 @@ def stop_gracefully(session, signum: int) -> NoReturn:
     rt, step, name = session.rt, session.step, signal_name(signum)
     deadline = session.stop.deadline(rt.cfg.grace_period)
     snap = session.capture()
-    result = write_dying_gasp(session.gasp_savers, [(snap, rt.rank, snap.own)], session, deadline)
+    result = write_dying_gasp(session.gasp_savers, [(snap, rt.rank, snap.own)], steps_per_epoch=session.steps_per_epoch,
+                              world_size=rt.world_size, grace=rt.cfg.grace_period, deadline=deadline)
     reason = f"{name} at step {step}"
     rt.events.emit("graceful_exit", rank=rt.rank, step=step, signal=name, saved=result.saved_steps(),
                    pending=result.pending)
@@ -115,7 +116,9 @@ def stop_on_fault(session, reason: str) -> NoReturn:
         items, notes = dump_targets(session.capture(), rt, patience=GOODBYE_PATIENCE_S)
         for note in notes:
             print(f"trainguard: rank {rt.rank}: dump: {note}", file=sys.stderr, flush=True)
-        result = write_dying_gasp(session.gasp_savers, items, session, deadline, settle=GOODBYE_PATIENCE_S)
+        result = write_dying_gasp(session.gasp_savers, items, steps_per_epoch=session.steps_per_epoch,
+                                  world_size=rt.world_size, grace=rt.cfg.grace_period, deadline=deadline,
+                                  settle=GOODBYE_PATIENCE_S)
     saved = f"; {result.describe()}" if result is not None else ""
     rt.events.emit("stopped_on_fault", rank=rt.rank, step=session.step, strategy=str(strategy), reason=reason[-500:],
                    saved=result.saved_steps() if result else [])

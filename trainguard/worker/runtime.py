@@ -250,7 +250,19 @@ def _replace(cfg: C.ClusterConfig, **changes) -> C.ClusterConfig:
 
 
 def init(env=None) -> Runtime:
-    """Join the cluster described by the environment. A scheduler-role process serves and exits here."""
+    """Join the cluster described by the environment (TG_*/MS_* variables, or torchrun's or mpirun's).
+    A scheduler-role process serves and exits here.
+
+    What it changes in the process, all of it (documented, since a library should change nothing
+    behind a script's back):
+    - logging: `logging.basicConfig` at TG_LOG_LEVEL (default WARNING), a no-op if the script
+      configured logging first;
+    - OMP_NUM_THREADS=1 if unset, for the processes this one starts (DataLoader workers);
+    - sys.excepthook is chained: an uncaught exception is sent to the scheduler as the job's root
+      cause, then the previous hook runs;
+    - an atexit handler says goodbye to the scheduler;
+    - RANK, WORLD_SIZE and LOCAL_RANK are set to this generation's values, as torchrun sets them.
+    Signal handlers (SIGTERM, SIGINT, SIGUSR1) come with the training wrappers, not with init()."""
     global _runtime
     if _runtime is not None:
         return _runtime
