@@ -3,6 +3,7 @@ to a run that never stopped."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -205,9 +206,14 @@ def test_chaos_sends_sigusr1_to_one_worker_and_the_job_stops_gracefully(tmp_path
     try:
         wait_for(lambda: 4 in complete_steps(tmp_path, 0), 60, "the checkpoint of step 4")
         chaos = [sys.executable, "-m", "trainguard", "chaos", "--sched-port", str(port)]
-        missing = subprocess.run([*chaos, "term", "--rank", "5"], capture_output=True, text=True, timeout=30)
+        stranger = subprocess.run([*chaos, "usr1", "--rank", "1"], capture_output=True, text=True, timeout=30,
+                                  env={k: v for k, v in os.environ.items() if not k.startswith("TG_JOB_SECRET")})
+        assert stranger.returncode == 2 and "requires the job secret" in stranger.stderr, stranger.stderr
+        secret = {**os.environ, "TG_JOB_SECRET_FILE": str(tmp_path / "recovery" / "job.secret")}
+        missing = subprocess.run([*chaos, "term", "--rank", "5"], capture_output=True, text=True, timeout=30,
+                                 env=secret)
         assert missing.returncode == 2 and "no live worker has rank 5 (live ranks: [0, 1]" in missing.stderr
-        hit = subprocess.run([*chaos, "usr1", "--rank", "1"], capture_output=True, text=True, timeout=30)
+        hit = subprocess.run([*chaos, "usr1", "--rank", "1"], capture_output=True, text=True, timeout=30, env=secret)
         assert hit.returncode == 0 and "sent SIGUSR1 to rank 1" in hit.stderr
         _, err = proc.communicate(timeout=60)
     finally:

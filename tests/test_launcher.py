@@ -211,7 +211,8 @@ def test_uncaught_exception_via_cli_without_scheduler(tmp_path: Path) -> None:
     port = cli.pick_free_port("127.0.0.1")
     proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--nnodes", "2", "--node-rank", "1",
                            "--sched-host", "127.0.0.1", "--sched-port", str(port), "--max-restarts", "0",
-                           str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=15)
+                           str(script)], cwd=tmp_path, env={**_env(), "TG_JOB_SECRET": "s" * 32},
+                          capture_output=True, text=True, timeout=15)
     assert proc.returncode == 1
     assert "[scheduler]" not in proc.stdout + proc.stderr and "starting scheduler" not in proc.stderr
     summary = proc.stderr[proc.stderr.index("trainguard: worker 1 (pid "):]
@@ -329,6 +330,7 @@ def test_worker_killed_after_its_goodbye_is_not_restarted(tmp_path: Path, delay:
         import os, signal, time
         import trainguard as tg
         rt = tg.init()
+        time.sleep(0.5)  # both ends finish building the group (else a peer's build can fail on our goodbye)
         rt.finish()
         print("said goodbye", flush=True)
         if tg.get_rank() == 1:

@@ -127,11 +127,16 @@ def test_flags_and_job_file(tmp_path) -> None:
     job.write_text(f"script: {script}\nslots: 3\nhost_fail_limit: 2\nhost_cooldown: 45\n")
     argv = ["run", "--nnodes", "2", "--node-rank", "1", "--sched-host", "127.0.0.1", "--sched-port", "9",
             "--max-restarts", "0", "--recover-strategy", "recover", "--config", str(job)]
-    spec = cli.resolve_run(cli.build_parser().parse_args([*argv, "--host-cooldown", "20"]), {"TG_HOST_FAIL_WINDOW": "99"})
+    secret = {"TG_JOB_SECRET": "a shared secret of this test"}  # several hosts: a secret must be given
+    spec = cli.resolve_run(cli.build_parser().parse_args([*argv, "--host-cooldown", "20"]),
+                           {"TG_HOST_FAIL_WINDOW": "99", **secret})
     assert spec.capacity == 3 and spec.recover_strategy.moves
     assert spec.placement == PlacementPolicy(fail_limit=2, fail_window_s=99, cooldown_s=20)  # flag > file > env
     with pytest.raises(ConfigError, match="--slots"):
-        cli.resolve_run(cli.build_parser().parse_args([*argv, "--workers", "4"]), {})
+        cli.resolve_run(cli.build_parser().parse_args([*argv, "--workers", "4"]), secret)
+    with pytest.raises(ConfigError, match="needs the same secret on every agent"):
+        cli.resolve_run(cli.build_parser().parse_args(argv), {})
+    assert cli.resolve_run(cli.build_parser().parse_args(argv), {"TG_INSECURE": "1"}).secret is None
 
 
 @pytest.mark.timeout(5)
@@ -221,13 +226,15 @@ def agent(out: Path, rank: int, port: int, *, slots: int, strategy: str, faults:
            "--slots", str(slots), "--sched-host", "127.0.0.1", "--sched-port", str(port), "--max-restarts", "3",
            "--hot-spares", str(spares), "--recovery-path", str(out / "recovery"), "--recover-strategy", strategy,
            *extra, *job_args(out)]
-    return subprocess.Popen(cmd, env=env(TG_FAULT=faults), stdout=open(out / f"agent{rank}.out", "w"),
+    return subprocess.Popen(cmd, env=env(TG_FAULT=faults, TG_JOB_SECRET_FILE=str(out / "shared.secret")),
+                            stdout=open(out / f"agent{rank}.out", "w"),
                             stderr=open(out / f"agent{rank}.err", "w"))
 
 
 def run_two_agents(out: Path, *, b_slots: int, strategy: str, faults: str, extra: tuple = (),
                    timeout: float = 120) -> tuple[int, int, str, str]:
     out.mkdir(parents=True, exist_ok=True)
+    (out / "shared.secret").write_text("the secret both agents share\n")
     port = free_port()
     procs = [agent(out, 0, port, slots=1, strategy=strategy, faults=faults, extra=extra),
              agent(out, 1, port, slots=b_slots, strategy=strategy, faults=faults, spares=1, extra=extra)]

@@ -21,6 +21,7 @@ import msgpack
 import pytest
 
 from trainguard.config import MAX_FRAME_BYTES, ClusterConfig, LaunchMode, Role
+from trainguard.control import auth
 from trainguard.control import protocol as p
 from trainguard.control.client import Heartbeater, SchedulerClient, query_status
 from trainguard.control.membership import JobState, NodeState
@@ -128,6 +129,8 @@ def run_job_with(clients) -> None:
 def exchange(address, data: bytes, *, shut: bool = False) -> tuple[object | None, bytes]:
     """Send raw bytes; return the decoded first reply (or None) and whatever else came before EOF."""
     with socket.create_connection(address, timeout=WAIT_S) as sock:
+        greeting = sock.recv(auth.HELLO_SIZE, socket.MSG_WAITALL)  # the handshake's hello (no secret: open)
+        assert greeting[:3] == auth.MAGIC and greeting[4] == 0, greeting
         sock.sendall(data)
         if shut:
             sock.shutdown(socket.SHUT_WR)
@@ -388,6 +391,7 @@ def test_client_drops_a_connection_whose_reply_was_not_a_valid_frame():
         def answer(conn: socket.socket, reply: bytes) -> None:
             with conn:
                 try:
+                    conn.sendall(auth.hello(None)[0])  # an open scheduler's greeting
                     while True:
                         p.read_frame(conn)
                         conn.sendall(reply)

@@ -11,7 +11,8 @@ import enum
 import os
 import re
 import socket
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -47,6 +48,9 @@ GRACE_PERIOD_ENV = "TG_GRACE_PERIOD"  # seconds from SIGTERM/SIGINT/SIGUSR1 to S
 RECOVER_STRATEGY_ENV = "TG_RECOVER_STRATEGY"  # e.g. "retry,recover-in-place"; the launcher's --recover-strategy
 MAX_RETRIES_ENV = "TG_MAX_RETRIES"  # in-process retries of a failed step in a row (the retry strategy)
 ELASTIC_DEADLINE_ENV = "TG_ELASTIC_DEADLINE"  # elastic: seconds a dead worker has to come back before the job shrinks
+JOB_SECRET_ENV = "TG_JOB_SECRET"  # the job's shared secret (control/auth.py); `trainguard run` makes one
+JOB_SECRET_FILE_ENV = "TG_JOB_SECRET_FILE"  # or a file holding it (the same on every host)
+INSECURE_ENV = "TG_INSECURE"  # 1: let a scheduler without a secret listen on a routable address
 # torchrun and OpenMPI
 TORCHRUN_RANK, TORCHRUN_WORLD = "RANK", "WORLD_SIZE"
 TORCHRUN_ADDR, TORCHRUN_PORT, TORCHRUN_LOCAL_RANK = "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"
@@ -67,6 +71,7 @@ DEFAULT_QUARANTINE_S = 30.0
 DEFAULT_GRACE_PERIOD_S = 10.0
 DEFAULT_MPI_PORT = 8118
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+MIN_SECRET_CHARS, MAX_SECRET_BYTES = 16, 4096
 MIN_GROUP_BUILD_TIMEOUT_S = 10.0
 
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -105,6 +110,8 @@ class ClusterConfig:
     embedded_scheduler: bool = False  # this worker process starts (and supervises) the scheduler process
     grace_period: float = DEFAULT_GRACE_PERIOD_S
     recover_strategy: RecoverStrategy = parse_strategy(DEFAULT_STRATEGY)
+    secret: bytes | None = field(default=None, repr=False)  # None: connections are not authenticated
+    insecure: bool = False  # TG_INSECURE=1
 
     def __post_init__(self) -> None:
         if self.worker_num < 1:
@@ -236,7 +243,35 @@ def _common(env: Mapping[str, str]) -> dict:
         quarantine_s=_float(env, QUARANTINE_ENV, DEFAULT_QUARANTINE_S),
         grace_period=_float(env, GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S),
         recover_strategy=strategy_from_env(env),
+        secret=read_secret(env),
+        insecure=_bool(INSECURE_ENV, env.get(INSECURE_ENV, "")),
     )
+
+
+def read_secret(env: Mapping[str, str]) -> bytes | None:
+    """The job secret from TG_JOB_SECRET or the file TG_JOB_SECRET_FILE names; None if neither is set."""
+    raw, path = env.get(JOB_SECRET_ENV, "").strip(), env.get(JOB_SECRET_FILE_ENV, "").strip()
+    hint = "make one with: python -c 'import secrets; print(secrets.token_hex(32))'"
+    if raw and path:
+        raise ConfigError(f"both {JOB_SECRET_ENV} and {JOB_SECRET_FILE_ENV} are set; set only one of them")
+    source = JOB_SECRET_ENV
+    if path:
+        source = f"{JOB_SECRET_FILE_ENV}={path!r}"
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_BYTES:
+                raise ConfigError(f"{source}: not a regular file of at most {MAX_SECRET_BYTES} bytes; {hint}")
+            with open(path, "rb") as f:
+                raw = f.read(MAX_SECRET_BYTES).decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{source}: cannot read the job secret ({getattr(exc, 'strerror', None) or exc})") from None
+        if not raw:
+            raise ConfigError(f"{source}: the file is empty; {hint}")
+    if not raw:
+        return None
+    if len(raw) < MIN_SECRET_CHARS:
+        raise ConfigError(f"{source}: the job secret has {len(raw)} characters, fewer than {MIN_SECRET_CHARS}; {hint}")
+    return raw.encode()
 
 
 def strategy_from_env(env: Mapping[str, str]) -> RecoverStrategy:

@@ -21,6 +21,11 @@ class ProtocolError(TrainguardError):
     """A frame or message that does not follow the protocol (bad magic, version, size or shape)."""
 
 
+class AuthenticationFailed(ProtocolError):
+    """A connection to or from the scheduler did not prove it holds the job's secret (control/auth.py).
+    Deterministic: retrying with the same secret cannot help."""
+
+
 class RegistrationRejected(TrainguardError):
     """The scheduler refused this worker: duplicate live node id, cluster full, mismatched job facts."""
 

@@ -21,7 +21,9 @@ from ..errors import (
     RegistrationRejected,
     RendezvousTimeout,
     SchedulerUnavailable,
+    TrainguardError,
 )
+from . import auth
 from . import protocol as p
 
 log = logging.getLogger("trainguard.client")
@@ -33,13 +35,18 @@ BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
 class Connection:
     """One socket, one request at a time."""
 
-    def __init__(self, address: Address, timeout: float):
+    def __init__(self, address: Address, timeout: float, secret: bytes | None = None):
         self.address = address
         try:
             self.sock = socket.create_connection(address, timeout=timeout)
         except OSError as exc:
             raise SchedulerUnavailable(f"cannot reach the scheduler at {address[0]}:{address[1]}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:  # the job-secret handshake, under the connect timeout
+            auth.client_handshake(self.sock, secret, f"the scheduler at {address[0]}:{address[1]}")
+        except TrainguardError:
+            self.close()
+            raise
         self.sock.settimeout(None)
 
     def request(self, msg, timeout: float | None = None):
@@ -62,12 +69,12 @@ class Connection:
             log.debug("closing scheduler socket: %s", exc)
 
 
-def connect(address: Address, deadline: float, what: str = "the scheduler") -> Connection:
+def connect(address: Address, deadline: float, what: str = "the scheduler", secret: bytes | None = None) -> Connection:
     """Connect, retrying with backoff until the deadline (the scheduler may start last)."""
     delay = BACKOFF_START_S
     while True:
         try:
-            return Connection(address, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+            return Connection(address, timeout=max(0.5, min(5.0, deadline - time.monotonic())), secret=secret)
         except SchedulerUnavailable as exc:
             if time.monotonic() + delay > deadline:
                 raise SchedulerUnavailable(
@@ -101,9 +108,10 @@ class Identity:
 class SchedulerClient:
     """The request connection of one worker. Thread-safe (one request at a time)."""
 
-    def __init__(self, address: Address, *, connect_timeout: float):
+    def __init__(self, address: Address, *, connect_timeout: float, secret: bytes | None = None):
         self.address = address
         self.connect_timeout = connect_timeout
+        self.secret = secret
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         self.identity: Identity | None = None
@@ -115,7 +123,7 @@ class SchedulerClient:
         with self._lock:
             while True:
                 if self._conn is None:
-                    self._conn = connect(self.address, deadline)
+                    self._conn = connect(self.address, deadline, secret=self.secret)
                 try:
                     return self._conn.request(msg, timeout)
                 except ProtocolError:
@@ -196,9 +204,9 @@ class Heartbeater(threading.Thread):
     """Sends heartbeats on its own connection and records what the scheduler says."""
 
     def __init__(self, address: Address, identity: Identity, interval: float, *, step_fn=lambda: -1,
-                 on_news=lambda: None):
+                 on_news=lambda: None, secret: bytes | None = None):
         super().__init__(name="trainguard-heartbeat", daemon=True)
-        self.address, self.identity, self.interval = address, identity, interval
+        self.address, self.identity, self.interval, self.secret = address, identity, interval, secret
         self.step_fn = step_fn
         self.on_news = on_news  # called from this thread when the generation moves or we are fenced
         self.generation_seen = 0
@@ -214,7 +222,7 @@ class Heartbeater(threading.Thread):
         while not self._stop.is_set():
             try:
                 if self._conn is None:
-                    self._conn = Connection(self.address, timeout=2.0)
+                    self._conn = Connection(self.address, timeout=2.0, secret=self.secret)
                 me = self.identity
                 reply = self._conn.request(p.Heartbeat(node_id=me.node_id, incarnation=me.incarnation,
                                                        generation=self.generation_seen, step=self.step_fn()), 10.0)
@@ -245,12 +253,13 @@ class Heartbeater(threading.Thread):
 
 
 def report_exit(address: Address, node_id: str, pid: int, exit_code: int | None, signal: int | None,
-                detail: str, timeout: float = 5.0, *, final: bool = False) -> tuple[bool, str]:
+                detail: str, timeout: float = 5.0, *, final: bool = False,
+                secret: bytes | None = None) -> tuple[bool, str]:
     """From an agent: tell the scheduler a worker process exited. Best effort.
     Returns (taken, over): `over` is the scheduler's reason when that worker needs no replacement
     (it had already finished, or the job is over), else ""."""
     try:
-        conn = Connection(address, timeout=timeout)
+        conn = Connection(address, timeout=timeout, secret=secret)
     except SchedulerUnavailable:
         return False, ""
     try:
@@ -265,8 +274,8 @@ def report_exit(address: Address, node_id: str, pid: int, exit_code: int | None,
         conn.close()
 
 
-def query_status(address: Address, timeout: float = 5.0) -> dict:
-    conn = Connection(address, timeout=timeout)
+def query_status(address: Address, timeout: float = 5.0, *, secret: bytes | None = None) -> dict:
+    conn = Connection(address, timeout=timeout, secret=secret)
     try:
         return raise_for(conn.request(p.Status(), timeout), "status").state
     finally:

@@ -19,6 +19,7 @@ from ..config import ClusterConfig, check_recovery_path, this_host
 from ..errors import ClusterStateError, ConfigError, ProtocolError
 from ..exitcodes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..obs.events import EventLog
+from . import auth
 from . import membership as m
 from . import protocol as p
 from .agents import (
@@ -87,6 +88,9 @@ class Scheduler(RendezvousRequests):
     async def serve(self) -> int:
         self._changed = asyncio.Condition()
         self._done = asyncio.Event()
+        if auth.listen_policy(self.cfg.sched_host, self.cfg.secret, self.cfg.insecure):  # raises if refused
+            log.warning("no job secret: every local user can reach this scheduler on %s (set TG_JOB_SECRET_FILE "
+                        "to authenticate; `trainguard run` does it for you)", self.cfg.sched_host)
         try:
             server = await asyncio.start_server(self._handle, self.cfg.sched_host, self.cfg.sched_port)
         except OSError as exc:
@@ -183,6 +187,11 @@ class Scheduler(RendezvousRequests):
         peer = writer.get_extra_info("peername")
         self._writers.add(writer)
         try:
+            refused = await auth.accept(reader, writer, self.cfg.secret)
+            if refused:
+                log.warning("dropped a connection from %s: %s", peer, refused)
+                self.events.emit("connection_refused", peer=str(peer)[:100], reason=refused)
+                return
             while True:
                 try:
                     header = await reader.readexactly(p.HEADER.size)

@@ -383,7 +383,7 @@ class Supervisor(Relocation):
         try:
             ok, over = report_exit(address, child.node_id or "", failure.pid, code, sig,
                                    "\n".join(([why] if why else []) + list(failure.tail))[-16000:],
-                                   timeout=REPORT_TIMEOUT_S, final=final)
+                                   timeout=REPORT_TIMEOUT_S, final=final, secret=self.spec.secret)
         except (OSError, TrainguardError) as exc:  # a failed report must never block the restart
             self._say(f"reporting the exit of {child.name} failed: {exc!r}")
             return ""

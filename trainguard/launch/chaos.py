@@ -3,6 +3,9 @@
     trainguard chaos --sched-host H --sched-port P kill|term|stop|usr1 --rank R
     trainguard chaos --sched-host H --sched-port P kill-scheduler
 
+The scheduler answers only a process that holds the job secret: set TG_JOB_SECRET_FILE (`trainguard
+run` writes it to <recovery path>/job.secret) or TG_JOB_SECRET.
+
 It asks the scheduler for its status (every member's rank, host, pid and state) and signals
 the process: kill = SIGKILL (a crash), term = SIGTERM (a graceful exit of the whole job),
 stop = SIGSTOP (a hang), usr1 = SIGUSR1 (Slurm's warning before a requeue). The target must
@@ -16,7 +19,7 @@ import os
 import signal
 import sys
 
-from ..config import this_host
+from ..config import read_secret, this_host
 from ..errors import ConfigError, TrainguardError
 
 ACTIONS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP, "usr1": signal.SIGUSR1}
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from ..control.client import query_status  # lazy: the CLI starts without the client
 
     try:
-        status = query_status((args.sched_host, args.sched_port), timeout=5.0)
+        status = query_status((args.sched_host, args.sched_port), timeout=5.0, secret=read_secret(os.environ))
     except (TrainguardError, OSError) as exc:
         raise ConfigError(f"cannot get the job's status from {args.sched_host}:{args.sched_port}: {exc}") from None
     pid, who = pick_target(status, args.action, args.rank, this_host())

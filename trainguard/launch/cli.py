@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..config import (
+    INSECURE_ENV,
     RECOVERY_PATH_ENV,
     ROLE_ENV,
     SCHED_HOST_ENV,
@@ -34,6 +35,7 @@ from .budget import restart_rate
 from .jobfile import merge_job_file, resolve_strategy
 from .policy import EXIT_CONFIG, LaunchSpec, set_env
 from .relocate import placement_policy
+from .secret import job_secret, write_secret
 
 DEFAULT_SCHED_HOST = "127.0.0.1"
 
@@ -214,7 +216,15 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
         recovery = Path(path_env[1]) if path_env else Path(tempfile.mkdtemp(prefix="trainguard-"))
     if recovery is not None:
         recovery = check_recovery_path(recovery.expanduser().resolve())
-    return replace(spec, sched_host=host, sched_port=port, recovery_path=recovery, log_dir=args.log_dir)
+    secret = job_secret(env, nnodes=spec.nnodes, insecure=_bool_env(env, INSECURE_ENV))
+    if secret is not None and recovery is not None and spec.hosts_scheduler:
+        write_secret(recovery, secret)  # for the same user's tools (trainguard chaos)
+    return replace(spec, sched_host=host, sched_port=port, recovery_path=recovery, log_dir=args.log_dir,
+                   secret=secret)
+
+
+def _bool_env(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 # --- ports --------------------------------------------------------------------------------

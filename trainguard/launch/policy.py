@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -20,6 +20,8 @@ from ..config import (
     ELASTIC_DEADLINE_ENV,
     ENABLE_RECOVERY_ENV,
     GRACE_PERIOD_ENV,
+    JOB_SECRET_ENV,
+    JOB_SECRET_FILE_ENV,
     LOCAL_RANK_ENV,
     MAX_RETRIES_ENV,
     NODE_ID_ENV,
@@ -241,6 +243,7 @@ class LaunchSpec:
     recover_strategy: RecoverStrategy = _DEFAULT_STRATEGY
     slots: int = 0  # recover: workers this host can run (--slots); 0 = its own worker count
     placement: PlacementPolicy = PlacementPolicy()  # recover: host exclusion (--host-fail-limit, ...)
+    secret: bytes | None = field(default=None, repr=False)  # the job secret (launch/secret.py); in the children's env
 
     def __post_init__(self) -> None:
         if self.slots and self.slots < self.nproc_per_node:
@@ -311,6 +314,8 @@ def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[
     env[RECOVER_STRATEGY_ENV] = str(spec.recover_strategy)
     env[MAX_RETRIES_ENV] = str(spec.recover_strategy.max_retries)
     env[ELASTIC_DEADLINE_ENV] = f"{spec.recover_strategy.elastic_deadline:g}"
+    env.pop(JOB_SECRET_FILE_ENV, None)
+    set_env(env, JOB_SECRET_ENV, spec.secret.decode() if spec.secret is not None else None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

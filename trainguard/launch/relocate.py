@@ -42,8 +42,10 @@ class PlacementLink:
     """Syncs with the scheduler in a thread; `orders` holds the workers to start here."""
 
     def __init__(self, address: tuple[str, int], agent: int, slots: int,
-                 snapshot: Callable[[], tuple[list[str], list[int]]], say: Callable[[str], None]) -> None:
+                 snapshot: Callable[[], tuple[list[str], list[int]]], say: Callable[[str], None],
+                 secret: bytes | None = None) -> None:
         self.address, self.agent, self.slots, self.host = address, agent, slots, this_host()
+        self.secret = secret
         self._snapshot = snapshot  # (node ids this agent runs, order seqs it has handled), taken atomically
         self._say = say
         self.orphan_s = ORPHAN_S
@@ -105,7 +107,7 @@ class PlacementLink:
     def _request(self, msg):
         try:
             if self._conn is None:
-                self._conn = Connection(self.address, timeout=REQUEST_TIMEOUT_S)
+                self._conn = Connection(self.address, timeout=REQUEST_TIMEOUT_S, secret=self.secret)
             reply = self._conn.request(msg, REQUEST_TIMEOUT_S)
         except (SchedulerUnavailable, ProtocolError) as exc:
             if self._conn is not None:
@@ -129,7 +131,7 @@ class Relocation:
     def _start_link(self) -> None:
         spec = self.spec
         self.link = PlacementLink((spec.sched_host, spec.sched_port), spec.node_rank, spec.capacity,
-                                  self._running, self._say)
+                                  self._running, self._say, secret=spec.secret)
         self.link.start()
 
     def _running(self) -> tuple[list[str], list[int]]:

@@ -50,7 +50,7 @@ class Runtime:
             cfg = self._find_scheduler(cfg)
         self.cfg = cfg
         self.address = (cfg.sched_host, cfg.sched_port)
-        self.client = SchedulerClient(self.address, connect_timeout=cfg.connect_timeout)
+        self.client = SchedulerClient(self.address, connect_timeout=cfg.connect_timeout, secret=cfg.secret)
         if cfg.recovery_path is not None:  # unusable: a ConfigError naming the variable, at start
             self.events = EventLog(C.check_recovery_path(cfg.recovery_path) / "events.jsonl")
         else:
@@ -106,7 +106,7 @@ class Runtime:
         self.node_id, self.incarnation = reply.node_id, reply.incarnation
         log.info("registered as %s (incarnation %d)", self.node_id, self.incarnation)
         self.heart = Heartbeater(self.address, self.client.identity, self.cfg.heartbeat_interval,
-                                 step_fn=lambda: self.step, on_news=self._on_news)
+                                 step_fn=lambda: self.step, on_news=self._on_news, secret=self.cfg.secret)
         self.heart.start()
 
     def form(self) -> p.Formed:
