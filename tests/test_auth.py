@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import msgpack
 import pytest
 from harness import assert_identical, env, finals, job_args, wait_for
 
@@ -22,7 +23,7 @@ from trainguard.control import auth
 from trainguard.control import protocol as p
 from trainguard.control.client import Connection, query_status
 from trainguard.control.scheduler import start_in_thread
-from trainguard.errors import AuthenticationFailed, ConfigError
+from trainguard.errors import AuthenticationFailed, ConfigError, ProtocolError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -195,3 +196,13 @@ def test_a_job_finishes_bit_identical_while_a_stranger_knocks(tmp_path, baseline
     assert proc.returncode == 0, err[-3000:]
     assert b"\x00" in refused and b"\x01" not in refused  # refused while it ran, never let in
     assert_identical(finals(tmp_path, 2), baseline_runs(2), "final state")
+
+
+def test_values_that_would_break_the_scheduler_are_refused_as_bad_messages():
+    """A pid beyond pid_max crashed the heartbeat monitor (os.kill) and cluster.db (sqlite) before; a host
+    with a newline forged log lines. Both are now refused by the message's schema, before any handler."""
+    for bad in ({"pid": 1 << 40}, {"pid": 1 << 63}, {"host": "vm\n[scheduler] forged line"}):
+        fields = {"type": "register", "node_id": "0", "host": "vm", "pid": 1, "worker_num": 2, **bad}
+        with pytest.raises(ProtocolError):
+            p.decode_request(msgpack.packb(fields))
+    p.decode_request(msgpack.packb({"type": "register", "node_id": "0", "host": "vm", "pid": 1, "worker_num": 2}))

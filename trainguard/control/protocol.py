@@ -37,6 +37,10 @@ class _Msg(BaseModel):
 
 NodeId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
 Key = Annotated[str, Field(min_length=1, max_length=1024)]
+# a host name that reaches logs: no control characters (a "\n" would forge log lines)
+Host = Annotated[str, Field(max_length=255, pattern=r"^[^\x00-\x1f\x7f]*$")]
+# a pid the scheduler may signal: within Linux's pid_max (2**22), so os.kill and sqlite never overflow
+Pid = Annotated[int, Field(ge=0, le=1 << 22)]
 
 
 class ErrorCode(str, enum.Enum):
@@ -65,8 +69,8 @@ class FailureKind(str, enum.Enum):
 class Register(_Msg):
     type: Literal["register"] = "register"
     node_id: NodeId | None = None
-    host: str = Field(max_length=255)
-    pid: int = Field(ge=0)
+    host: Host
+    pid: Pid
     worker_num: int = Field(ge=1)
 
 
@@ -74,8 +78,8 @@ class Reattach(_Msg):
     type: Literal["reattach"] = "reattach"
     node_id: NodeId
     incarnation: int = Field(ge=1)
-    host: str = Field(max_length=255)
-    pid: int = Field(ge=0)
+    host: Host
+    pid: Pid
     worker_num: int = Field(ge=1)
 
 
@@ -132,7 +136,7 @@ class ProcessExited(_Msg):
 
     type: Literal["process_exited"] = "process_exited"
     node_id: NodeId
-    pid: int = Field(ge=0)
+    pid: Pid
     exit_code: int | None = None
     signal: int | None = None
     detail: str = Field(default="", max_length=16384)
@@ -170,7 +174,7 @@ class AgentSync(_Msg):
 
     type: Literal["agent_sync"] = "agent_sync"
     agent: int = Field(ge=0)  # its node rank
-    host: str = Field(max_length=255)
+    host: Host
     slots: int = Field(ge=1)
     running: list[NodeId] = Field(default_factory=list, max_length=4096)
     handled: list[int] = Field(default_factory=list, max_length=4096)  # order seqs it has carried out
