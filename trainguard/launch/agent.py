@@ -1,17 +1,15 @@
 """The per-host agent behind `trainguard run`.
 
-It starts the workers (and, at node rank 0, the scheduler), waits on each with waitpid in a
-thread (so exits are seen at once and in the order they happened), reports each death to
-the scheduler at once, and restarts it while this agent's restart budget lasts (budget.py: a total
-cap, and a rate per child that ends a crash loop) and the recover strategy replaces dead workers: in
-place, or under `recover` on another host's agent (relocate.py). A worker that dies after its
-goodbye is not restarted, nor one whose script raised a deterministic error (exit 78,
-worker_main.py, every worker's entry point): that ends the job at once. It forwards
-SIGINT/SIGTERM/SIGUSR1 (workers first, scheduler last; the workers then save a dying-gasp
-checkpoint within the grace period and exit 75, and so does the agent) and prefixes every line
-a child prints (children.py). A restarted worker is, when one is warm, a hot spare that
-already imported torch (spare_pool.py) rather than a fresh process. What to do about an exit is decided
-by the pure functions in policy.py; `Supervisor` carries the decisions out.
+It starts the workers (and, at node rank 0, the scheduler), waits on each with waitpid in a thread
+(exits are seen at once, in order), reports each death to the scheduler at once, and restarts it while
+the restart budget lasts (budget.py: a total cap, and a rate per child that ends a crash loop) and the
+recover strategy replaces dead workers: in place, or under `recover` on another host's agent
+(relocate.py). A worker that dies after its goodbye is not restarted, nor one whose script raised a
+deterministic error (exit 78, worker_main.py): that ends the job at once. It forwards SIGINT/SIGTERM/
+SIGUSR1 (workers first, scheduler last; the workers save a dying-gasp checkpoint within the grace period
+and exit 75, and so does the agent) and prefixes every line a child prints (children.py). A restarted
+worker is a warm hot spare when there is one (spare_pool.py). What to do about an exit is decided by the
+pure functions in policy.py; `Supervisor` carries the decisions out.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from ..config import Role
 from ..control.client import report_exit
 from ..errors import ConfigError, TrainguardError
 from ..obs.events import EventLog, format_recovery, summarize_recovery
-from .children import Child
+from .children import Child, signal_alive, wait_exits
 from .policy import (
     Action,
     Decision,
@@ -267,7 +265,7 @@ class Supervisor(Relocation):
             time.sleep(POLL_INTERVAL_S)
         if sched.alive():
             self._say("all workers finished; stopping the scheduler")
-            self._signal([sched], signal.SIGTERM)
+            signal_alive([sched], signal.SIGTERM)
             self._wait([sched], time.monotonic() + self.spec.grace_s)
 
     # --- processes -------------------------------------------------------------------
@@ -311,11 +309,8 @@ class Supervisor(Relocation):
         with self._lock:
             child.tail.clear()
         child.start_pumps(self.out, self.err, self._lock)
-        threading.Thread(target=self._await_exit, args=(child, child.popen), name=f"tg-{child.name}-wait",
-                         daemon=True).start()
-
-    def _await_exit(self, child: Child, popen: subprocess.Popen) -> None:
-        self._exits.put((child, popen, popen.wait()))
+        threading.Thread(target=lambda c=child, proc=popen: self._exits.put((c, proc, proc.wait())),
+                         name=f"tg-{child.name}-wait", daemon=True).start()
 
     def _close_spares(self) -> None:
         if self.spares is not None:
@@ -325,26 +320,17 @@ class Supervisor(Relocation):
         """Signal the workers, wait for them, then the scheduler; SIGKILL what outlives the grace period."""
         self._close_spares()
         deadline = time.monotonic() + self.spec.grace_s
-        self._signal(self.workers, signum)
+        signal_alive(self.workers, signum)
         self._wait(self.workers, deadline)
         sched = [c for c in self.children if c.role is Role.SCHEDULER]
-        self._signal(sched, signum)
+        signal_alive(sched, signum)
         self._wait(sched, max(deadline, time.monotonic() + 1.0))
         self._kill(self.children)
-
-    def _signal(self, children: Sequence[Child], signum: int) -> None:
-        for child in children:
-            if child.alive():
-                assert child.popen is not None
-                child.popen.send_signal(signum)
 
     def _wait(self, children: Sequence[Child], deadline: float) -> None:
         """Wait until the children exit, the deadline passes, or a second signal asks to hurry."""
         hurry = len(self._signals) + 1
-        while any(c.alive() for c in children) and time.monotonic() < deadline:
-            if len(self._signals) > hurry:
-                return
-            time.sleep(POLL_INTERVAL_S)
+        wait_exits(children, deadline, lambda: len(self._signals) > hurry, POLL_INTERVAL_S)
 
     def _kill(self, children: Sequence[Child]) -> None:
         for child in children:

@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import IO, TextIO
+from typing import IO, Callable, Sequence, TextIO
 
 from ..config import Role
 
@@ -69,6 +70,19 @@ class Child:
         for pump in self.pumps:
             pump.join(drain_s)
         return problem
+
+
+def signal_alive(children: Sequence[Child], signum: int) -> None:
+    for child in children:
+        if child.alive():
+            assert child.popen is not None
+            child.popen.send_signal(signum)
+
+
+def wait_exits(children: Sequence[Child], deadline: float, hurry: Callable[[], bool], poll: float) -> None:
+    """Until every child exited, `deadline` (monotonic) passed, or `hurry()` says to stop waiting."""
+    while any(c.alive() for c in children) and time.monotonic() < deadline and not hurry():
+        time.sleep(poll)
 
 
 def pump_lines(stream: IO[bytes], prefix: str, sink: TextIO, lock: threading.Lock,
