@@ -33,6 +33,7 @@ from trainguard.launch.policy import (
     signal_exit_code,
     worker_env,
 )
+from trainguard.obs.events import EventLog
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -345,3 +346,45 @@ def test_worker_killed_after_its_goodbye_is_not_restarted(tmp_path: Path, delay:
     assert proc.stdout.count("said goodbye") == 2
     assert "worker 1 is not restarted: " in proc.stderr, proc.stderr[-3000:]
     assert "restarting worker 1" not in proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_the_scheduler_ends_with_an_agent_killed_by_sigkill(tmp_path: Path) -> None:
+    """No orphan: a scheduler whose agent died of SIGKILL (nothing forwarded, nothing cleaned up) ends too,
+    so it never holds the port or waits forever for workers nobody supervises."""
+    script = _script(tmp_path, "import time, trainguard as tg\ntg.init()\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard", "run", "--workers", "1", "--hot-spares", "0",
+                             "--recovery-path", str(tmp_path / "rec"), str(script)], cwd=tmp_path,
+                            env={**_env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        def scheduler_pid():
+            path = tmp_path / "rec" / "events.jsonl"
+            started = [e for e in EventLog.read(path) if e["event"] == "scheduler_started"] if path.exists() else []
+            return started[0]["pid"] if started else None
+
+        pid = _wait_until(scheduler_pid, 60)
+        proc.kill()
+        proc.wait(10)
+        assert _wait_until(lambda: not _alive(pid), 20), f"the scheduler (pid {pid}) outlived its agent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def _wait_until(predicate, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    return None

@@ -74,7 +74,8 @@ class Supervisor(Relocation):
         self._base = dict(base)
         self.children: list[Child] = []
         if spec.hosts_scheduler:
-            cmd = list(scheduler_cmd or [sys.executable, "-m", "trainguard", "scheduler"])
+            # --parent-pid: it ends with this agent, even one killed by SIGKILL (no orphan holds the port)
+            cmd = list(scheduler_cmd or [sys.executable, "-m", "trainguard", "scheduler", "--parent-pid", str(os.getpid())])
             self.children.append(Child(Role.SCHEDULER, 0, None, cmd, scheduler_env(base, spec)))
         for i in range(spec.nproc_per_node):
             self.children.append(Child(Role.WORKER, i, str(spec.node_rank * spec.nproc_per_node + i), worker_cmd(spec),
