@@ -6,6 +6,7 @@ Worker scripts here never call trainguard.init(); the scheduler child is a dummy
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -357,6 +358,7 @@ def test_the_scheduler_ends_with_an_agent_killed_by_sigkill(tmp_path: Path) -> N
                              "--recovery-path", str(tmp_path / "rec"), str(script)], cwd=tmp_path,
                             env={**_env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    workers: list[int] = []
     try:
         def scheduler_pid():
             path = tmp_path / "rec" / "events.jsonl"
@@ -364,12 +366,26 @@ def test_the_scheduler_ends_with_an_agent_killed_by_sigkill(tmp_path: Path) -> N
             return started[0]["pid"] if started else None
 
         pid = _wait_until(scheduler_pid, 60)
+        workers += [c for c in _children(proc.pid) if c != pid]  # in their own sessions: ours to clean up below
         proc.kill()
         proc.wait(10)
         assert _wait_until(lambda: not _alive(pid), 20), f"the scheduler (pid {pid}) outlived its agent"
     finally:
         if proc.poll() is None:
             proc.kill()
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def _alive(pid: int) -> bool:
