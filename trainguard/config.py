@@ -159,7 +159,7 @@ def _pick(env: Mapping[str, str], names: tuple[str, ...], same=str.strip) -> tup
     return found[0] if found else None
 
 
-def _int(name: str, raw: str, *, lo: int, hi: int | None = None) -> int:
+def parse_int(name: str, raw: str, *, lo: int, hi: int | None = None) -> int:
     try:
         value = int(raw.strip())
     except ValueError:
@@ -170,7 +170,7 @@ def _int(name: str, raw: str, *, lo: int, hi: int | None = None) -> int:
     return value
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+def env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name, "")
     if raw == "":
         return default
@@ -232,16 +232,16 @@ def _common(env: Mapping[str, str]) -> dict:
     return dict(
         enable_recovery=enable,
         recovery_path=Path(path[1]).expanduser() if path else None,
-        heartbeat_interval=_float(env, HEARTBEAT_INTERVAL_ENV, DEFAULT_HEARTBEAT_INTERVAL_S),
-        heartbeat_timeout=_float(env, HEARTBEAT_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S),
-        connect_timeout=_float(env, CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S),
-        join_timeout=_float(env, JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S),
-        collective_timeout=_float(env, COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S),
+        heartbeat_interval=env_seconds(env, HEARTBEAT_INTERVAL_ENV, DEFAULT_HEARTBEAT_INTERVAL_S),
+        heartbeat_timeout=env_seconds(env, HEARTBEAT_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S),
+        connect_timeout=env_seconds(env, CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S),
+        join_timeout=env_seconds(env, JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S),
+        collective_timeout=env_seconds(env, COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S),
         backend=env.get(BACKEND_ENV, "auto").strip().lower() or "auto",
-        local_rank=_int(LOCAL_RANK_ENV, local, lo=0) if local else None,
-        flap_limit=_int(FLAP_LIMIT_ENV, flap, lo=1) if flap else DEFAULT_FLAP_LIMIT,
-        quarantine_s=_float(env, QUARANTINE_ENV, DEFAULT_QUARANTINE_S),
-        grace_period=_float(env, GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S),
+        local_rank=parse_int(LOCAL_RANK_ENV, local, lo=0) if local else None,
+        flap_limit=parse_int(FLAP_LIMIT_ENV, flap, lo=1) if flap else DEFAULT_FLAP_LIMIT,
+        quarantine_s=env_seconds(env, QUARANTINE_ENV, DEFAULT_QUARANTINE_S),
+        grace_period=env_seconds(env, GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S),
         recover_strategy=strategy_from_env(env),
         secret=read_secret(env),
         insecure=_bool(INSECURE_ENV, env.get(INSECURE_ENV, "")),
@@ -277,8 +277,8 @@ def read_secret(env: Mapping[str, str]) -> bytes | None:
 def strategy_from_env(env: Mapping[str, str]) -> RecoverStrategy:
     """TG_RECOVER_STRATEGY and TG_MAX_RETRIES; recover and elastic are refused at start (not built yet)."""
     retries = env.get(MAX_RETRIES_ENV, "")
-    limit = _int(MAX_RETRIES_ENV, retries, lo=0) if retries.strip() else DEFAULT_MAX_RETRIES
-    deadline = _float(env, ELASTIC_DEADLINE_ENV, DEFAULT_ELASTIC_DEADLINE_S)
+    limit = parse_int(MAX_RETRIES_ENV, retries, lo=0) if retries.strip() else DEFAULT_MAX_RETRIES
+    deadline = env_seconds(env, ELASTIC_DEADLINE_ENV, DEFAULT_ELASTIC_DEADLINE_S)
     strategy = parse_strategy(env.get(RECOVER_STRATEGY_ENV), source=RECOVER_STRATEGY_ENV, max_retries=limit,
                               elastic_deadline=deadline)
     return require_implemented(strategy, RECOVER_STRATEGY_ENV)
@@ -309,33 +309,33 @@ def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig:
     if mode is LaunchMode.DYNAMIC:
         role = _role(*_required(env, ROLE_ENV, "this process's role", _same_role))
         host = _required(env, SCHED_HOST_ENV, "the scheduler's host or IP address")[1].strip()
-        port = _int(*_required(env, SCHED_PORT_ENV, "the scheduler's TCP port"), lo=1, hi=65535)
-        workers = _int(*_required(env, WORKER_NUM_ENV, "the number of worker processes"), lo=1)
+        port = parse_int(*_required(env, SCHED_PORT_ENV, "the scheduler's TCP port"), lo=1, hi=65535)
+        workers = parse_int(*_required(env, WORKER_NUM_ENV, "the number of worker processes"), lo=1)
         node = _pick(env, NODE_ID_ENV)
         return ClusterConfig(
             role=role, mode=mode, sched_host=host, sched_port=port, worker_num=workers,
             node_id=_node_id(*node) if node else None, **common,
         )
     if mode is LaunchMode.TORCHRUN:
-        rank = _int(TORCHRUN_RANK, env[TORCHRUN_RANK], lo=0)
-        world = _int(TORCHRUN_WORLD, env[TORCHRUN_WORLD], lo=1)
+        rank = parse_int(TORCHRUN_RANK, env[TORCHRUN_RANK], lo=0)
+        world = parse_int(TORCHRUN_WORLD, env[TORCHRUN_WORLD], lo=1)
         local = env.get(TORCHRUN_LOCAL_RANK, "")
         host = env.get(TORCHRUN_ADDR, "") or "127.0.0.1"
         port_env = _pick(env, SCHED_PORT_ENV)
-        port = _int(*port_env, lo=1, hi=65535) if port_env else 0  # 0: published via torchrun's store
+        port = parse_int(*port_env, lo=1, hi=65535) if port_env else 0  # 0: published via torchrun's store
     else:
-        rank = _int(MPI_RANK, env[MPI_RANK], lo=0)
-        world = _int(MPI_SIZE, env[MPI_SIZE], lo=1)
+        rank = parse_int(MPI_RANK, env[MPI_RANK], lo=0)
+        world = parse_int(MPI_SIZE, env[MPI_SIZE], lo=1)
         local = env.get(MPI_LOCAL_RANK, "")
         host_env = _pick(env, SCHED_HOST_ENV)
         host = host_env[1] if host_env else (env.get(TORCHRUN_ADDR, "") or "127.0.0.1")
         port_env = _pick(env, SCHED_PORT_ENV)
-        port = _int(*port_env, lo=1, hi=65535) if port_env else DEFAULT_MPI_PORT
+        port = parse_int(*port_env, lo=1, hi=65535) if port_env else DEFAULT_MPI_PORT
     if rank >= world:
         names = (TORCHRUN_RANK, TORCHRUN_WORLD) if mode is LaunchMode.TORCHRUN else (MPI_RANK, MPI_SIZE)
         raise ConfigError(f"{names[0]}={rank} is invalid: expected a rank below {names[1]}={world}")
     if local and common["local_rank"] is None:
-        common["local_rank"] = _int("LOCAL_RANK", local, lo=0)
+        common["local_rank"] = parse_int("LOCAL_RANK", local, lo=0)
     return ClusterConfig(
         role=Role.WORKER, mode=mode, sched_host=host, sched_port=port, worker_num=world,
         node_id=str(rank), embedded_scheduler=(rank == 0), **common,

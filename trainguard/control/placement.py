@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..config import _float, _int
+from ..config import env_seconds, parse_int
 from ..errors import ConfigError
 
 HOST_FAIL_LIMIT_ENV = "TG_HOST_FAIL_LIMIT"
@@ -50,9 +50,9 @@ class PlacementPolicy:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "PlacementPolicy":
         limit = env.get(HOST_FAIL_LIMIT_ENV, "").strip()
-        return cls(fail_limit=_int(HOST_FAIL_LIMIT_ENV, limit, lo=1) if limit else DEFAULT_FAIL_LIMIT,
-                   fail_window_s=_float(env, HOST_FAIL_WINDOW_ENV, DEFAULT_FAIL_WINDOW_S),
-                   cooldown_s=_float(env, HOST_COOLDOWN_ENV, DEFAULT_COOLDOWN_S))
+        return cls(fail_limit=parse_int(HOST_FAIL_LIMIT_ENV, limit, lo=1) if limit else DEFAULT_FAIL_LIMIT,
+                   fail_window_s=env_seconds(env, HOST_FAIL_WINDOW_ENV, DEFAULT_FAIL_WINDOW_S),
+                   cooldown_s=env_seconds(env, HOST_COOLDOWN_ENV, DEFAULT_COOLDOWN_S))
 
     def env(self) -> dict[str, str]:
         """The variables that hand this policy to the scheduler process."""

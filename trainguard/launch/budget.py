@@ -23,7 +23,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..config import _float, _int
+from ..config import env_seconds, parse_int
 from ..errors import ConfigError
 
 DEFAULT_MAX_RESTARTS = 32767
@@ -69,8 +69,8 @@ def restart_rate(args: argparse.Namespace, env: Mapping[str, str]) -> RestartRat
     limit = getattr(args, "restart_limit", None)
     if limit is None:
         raw = env.get(RESTART_LIMIT_ENV, "")
-        limit = _int(RESTART_LIMIT_ENV, raw, lo=1) if raw.strip() else DEFAULT_RESTART_LIMIT
+        limit = parse_int(RESTART_LIMIT_ENV, raw, lo=1) if raw.strip() else DEFAULT_RESTART_LIMIT
     window = getattr(args, "restart_window", None)
     if window is None:
-        window = _float(env, RESTART_WINDOW_ENV, DEFAULT_RESTART_WINDOW_S)
+        window = env_seconds(env, RESTART_WINDOW_ENV, DEFAULT_RESTART_WINDOW_S)
     return RestartRate(int(limit), float(window))

@@ -40,8 +40,8 @@ from ..config import (
     GRACE_PERIOD_ENV,
     MAX_RETRIES_ENV,
     RECOVER_STRATEGY_ENV,
-    _float,
-    _int,
+    env_seconds,
+    parse_int,
 )
 from ..errors import ConfigError
 from ..strategies import (
@@ -151,17 +151,17 @@ def resolve_strategy(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[
     retries = getattr(args, "max_retries", None)
     if retries is None:
         raw = env.get(MAX_RETRIES_ENV, "")
-        retries = _int(MAX_RETRIES_ENV, raw, lo=0) if raw.strip() else DEFAULT_MAX_RETRIES
+        retries = parse_int(MAX_RETRIES_ENV, raw, lo=0) if raw.strip() else DEFAULT_MAX_RETRIES
     if retries < 0:
         raise ConfigError(f"--max-retries must be >= 0, got {retries}")
     deadline = getattr(args, "elastic_deadline", None)
     if deadline is None:
-        deadline = _float(env, ELASTIC_DEADLINE_ENV, DEFAULT_ELASTIC_DEADLINE_S)
+        deadline = env_seconds(env, ELASTIC_DEADLINE_ENV, DEFAULT_ELASTIC_DEADLINE_S)
     if not deadline > 0:
         raise ConfigError(f"--elastic-deadline must be > 0 seconds, got {deadline}")
     strategy = require_implemented(parse_strategy(text, source=source, max_retries=retries,
                                                   elastic_deadline=float(deadline)), source)
     grace = getattr(args, "grace_period", None)
     if grace is None:
-        grace = _float(env, GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S)
+        grace = env_seconds(env, GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S)
     return strategy, float(grace)

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..config import env_seconds
 from ..errors import ConfigError
 from .callbacks import Callback
 
@@ -125,21 +126,11 @@ def env_callbacks(env=None) -> list[Callback]:
     faults = faults_from_env(env)
     if faults:
         callbacks.append(FaultInjector(faults))
-    slow = env.get(SLOW_STEP_ENV, "").strip()
+    slow = env_seconds(env, SLOW_STEP_ENV, 0.0)
     if slow:
-        callbacks.append(SlowSteps(_seconds(SLOW_STEP_ENV, slow)))
+        callbacks.append(SlowSteps(slow))
     slow_saves_from_env(env)
     return callbacks
-
-
-def _seconds(name: str, raw: str) -> float:
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ConfigError(f"{name}={raw!r} is invalid: expected a number of seconds > 0")
-    return seconds
 
 
 def fire(f: Fault, rt) -> None:
@@ -213,7 +204,6 @@ def disk_full_from_env(env=None) -> None:
 def slow_saves_from_env(env=None) -> None:
     """TG_FAULT_SLOW_SAVE, and TG_FAULT_DISK_FULL (the session installs both through this call)."""
     disk_full_from_env(env)
-    raw = (os.environ if env is None else env).get(SLOW_SAVE_ENV, "").strip()
-    if not raw:
-        return
-    slow_dying_gasp_writes(_seconds(SLOW_SAVE_ENV, raw))
+    seconds = env_seconds(os.environ if env is None else env, SLOW_SAVE_ENV, 0.0)
+    if seconds:
+        slow_dying_gasp_writes(seconds)
