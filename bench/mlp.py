@@ -7,7 +7,8 @@ Without --trainguard it is plain torch: init_process_group("gloo"), DistributedD
 torch's DistributedSampler and DataLoader. With it, the same lines use trainguard's drop-in
 wrappers; nothing else differs. Each rank times every step (from fetching its batch to the end of
 optimizer.step()). Rank 0 prints `median step time: X ms (N steps after W warm-up)`; every rank
-prints `peak rss: rank R X MB`.
+prints `peak rss: rank R X MB`, and the minor page faults of the timed steps per step (memory
+the allocator gave back to the kernel and took again: each costs a trap and a zeroed page).
 """
 
 import argparse
@@ -70,6 +71,7 @@ else:
 
 # --- train, timing every step -------------------------------------------------------------------
 times = []
+faults_at = None
 for epoch in range(first_epoch, 1):
     sampler.set_epoch(epoch)
     t = time.perf_counter()
@@ -81,6 +83,8 @@ for epoch in range(first_epoch, 1):
         now = time.perf_counter()
         times.append(now - t)
         t = now
+        if len(times) == args.warmup:
+            faults_at = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 # --- report ---------------------------------------------------------------------------------------
 timed = times[args.warmup:]
@@ -90,5 +94,7 @@ if rank == 0:
           f"{'trainguard' if args.trainguard else 'torch DDP'}", flush=True)
     print(f"median step time: {1000 * statistics.median(timed):.3f} ms "
           f"({len(timed)} steps after {args.warmup} warm-up)", flush=True)
-print(f"peak rss: rank {rank} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MB", flush=True)
+usage = resource.getrusage(resource.RUSAGE_SELF)
+faults = (usage.ru_minflt - faults_at) / len(timed) if faults_at is not None and timed else float("nan")
+print(f"peak rss: rank {rank} {usage.ru_maxrss / 1024:.1f} MB, {faults:.1f} page faults per step", flush=True)
 dist.destroy_process_group()

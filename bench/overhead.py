@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_TIME = re.compile(r"median step time: ([0-9.]+) ms")
-PEAK_RSS = re.compile(r"peak rss: rank (\d+) ([0-9.]+) MB")
+PEAK_RSS = re.compile(r"peak rss: rank (\d+) ([0-9.]+) MB, ([0-9.na]+) page faults per step")
 EPOCH_TIME = re.compile(r"epoch (\d+) \| steps \d+ \| mean loss [0-9.]+ \| ([0-9.]+) ms")
 # (warm-up steps, timed steps) per run: about 5 s of warm-up, then 2-4 s of timed steps. The warm-up covers
 # start-up work that is not a per-step cost: torch's first iterations, and trainguard's hot spare, which
@@ -54,14 +54,15 @@ def trainguard(workers: int, script: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), script, *args]
 
 
-def mlp_run(cmd: list[str], workers: int) -> tuple[float, float]:
-    """(median step time in ms, peak RSS in MB over the ranks) of one bench/mlp.py run."""
+def mlp_run(cmd: list[str], workers: int) -> tuple[float, float, float]:
+    """(median step time in ms, peak RSS in MB over the ranks, page faults per timed step summed over
+    the ranks) of one bench/mlp.py run."""
     out = run(cmd)
     times = STEP_TIME.findall(out)
-    rss = {int(r): float(mb) for r, mb in PEAK_RSS.findall(out)}
-    if len(times) != 1 or sorted(rss) != list(range(workers)):
+    ranks = {int(r): (float(mb), float(faults)) for r, mb, faults in PEAK_RSS.findall(out)}
+    if len(times) != 1 or sorted(ranks) != list(range(workers)):
         sys.exit(f"expected one step time and {workers} peak RSS lines from {' '.join(cmd)}:\n{out[-2000:]}")
-    return float(times[0]), max(rss.values())
+    return float(times[0]), max(mb for mb, _ in ranks.values()), sum(f for _, f in ranks.values())
 
 
 def tutorial_run(launcher, script: str) -> float:
@@ -105,9 +106,10 @@ def main() -> None:
             ddp.append(mlp_run(torchrun(workers, "bench/mlp.py", *mlp), workers))
             print(f"{params} x {workers} run {i + 1}: trainguard {tg[-1][0]:.2f} ms, DDP {ddp[-1][0]:.2f} ms",
                   flush=True)
-        a, b = statistics.median(t for t, _ in tg), statistics.median(t for t, _ in ddp)
-        ra, rb = max(r for _, r in tg), max(r for _, r in ddp)
-        rows.append((f"{params.upper()} x {workers}", a, b, ra, rb))
+        a, b = statistics.median(t for t, _, _ in tg), statistics.median(t for t, _, _ in ddp)
+        ra, rb = max(r for _, r, _ in tg), max(r for _, r, _ in ddp)
+        fa, fb = statistics.median(f for _, _, f in tg), statistics.median(f for _, _, f in ddp)
+        rows.append((f"{params.upper()} x {workers}", a, b, ra, rb, fa, fb))
 
     if not args.no_tutorial:
         tg_ep, ddp_ep = [], []
@@ -118,10 +120,12 @@ def main() -> None:
                   flush=True)
         tutorial = statistics.median(tg_ep), statistics.median(ddp_ep)
 
-    print(f"\nmedian of {args.runs} runs each, alternating; step time in ms; peak RSS in MB (max over ranks)")
-    print(f"{'cell':<10} {'trainguard':>10} {'DDP':>9} {'ratio':>6} {'RSS tg':>8} {'RSS DDP':>8} {'ratio':>6}")
-    for cell, a, b, ra, rb in rows:
-        print(f"{cell:<10} {a:>10.2f} {b:>9.2f} {a / b:>6.2f} {ra:>8.0f} {rb:>8.0f} {ra / rb:>6.2f}")
+    print(f"\nmedian of {args.runs} runs each, alternating; step time in ms; peak RSS in MB (max over ranks); "
+          "minor page faults per timed step (all ranks)")
+    print(f"{'cell':<10} {'trainguard':>10} {'DDP':>9} {'ratio':>6} {'RSS tg':>8} {'RSS DDP':>8} {'ratio':>6} "
+          f"{'flt tg':>7} {'flt DDP':>7}")
+    for cell, a, b, ra, rb, fa, fb in rows:
+        print(f"{cell:<10} {a:>10.2f} {b:>9.2f} {a / b:>6.2f} {ra:>8.0f} {rb:>8.0f} {ra / rb:>6.2f} {fa:>7.1f} {fb:>7.1f}")
     if not args.no_tutorial:
         a, b = tutorial
         print(f"ddp_tutorial.py, {TUTORIAL_WORKERS} workers, ms per epoch: trainguard {a:.1f}, DDP {b:.1f}, "

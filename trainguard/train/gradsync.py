@@ -25,6 +25,15 @@ Commit-or-skip. Nothing here raises inside backward: a failed collective is reco
 (`CollectiveFailed`, the original as its cause) and `result()` raises it where the optimizer is
 about to step, so a failed exchange never leads to an update.
 
+The heap. Replacing autograd's gradient by the view frees it in the middle of backward, where
+DDP frees its gradients at the next zero_grad(). With glibc's malloc that freed a few MB at the top
+of the heap, past its trim threshold (twice the largest block it has unmapped so far), so it gave
+them back to the kernel and took them again at the next backward: 100-250 page faults a step, 5%
+of a 1M-parameter step. DDP's process escapes this by accident (its constructor's coalesced
+broadcast frees a block the size of the model). `keep_heap` does it on purpose: one block of
+twice the gradients' size, allocated and freed, raises the thresholds as glibc itself would (it
+stops at 32 MB; other allocators ignore the hint). `bench/overhead.py` prints page faults per step.
+
 Control slots. The last bucket (if float32 or float64; otherwise one small extra buffer) carries
 `world_size` more elements: rank r writes its control value (the stop vote: a signal number or 0)
 into slot r and zeros elsewhere. The sum hands every rank every rank's value at no extra
@@ -50,6 +59,7 @@ from torch import nn
 from ..errors import CollectiveFailed
 
 MB = 1 << 20
+GLIBC_MMAP_THRESHOLD_MAX = 32 * MB  # a freed block larger than this leaves glibc's thresholds where they are
 CONTROL_DTYPES = (torch.float32, torch.float64)
 
 
@@ -85,6 +95,14 @@ def plan_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: in
     return buckets
 
 
+def keep_heap(nbytes: int) -> None:
+    """Let glibc keep up to 2 * nbytes freed at the top of the heap instead of trimming it (see the module
+    docstring): a block this large is mmapped, and unmapping it raises the mmap threshold to its size and
+    the trim threshold to twice that. Not a setting: later, larger blocks raise them further, as usual."""
+    block = torch.empty(min(nbytes, GLIBC_MMAP_THRESHOLD_MAX), dtype=torch.uint8)
+    del block
+
+
 class GradSync:
     """Hooks on `module`'s parameters; `attach(group)` for each generation, `detach()` between."""
 
@@ -106,6 +124,9 @@ class GradSync:
         self._in_pass = False
         self._synced = False  # an exchange completed since the last result()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        cpu_bytes = sum(b.size * b.params[0].element_size() for b in self.buckets if b.device.type == "cpu")
+        if cpu_bytes:
+            keep_heap(2 * cpu_bytes)
 
     # --- generations ----------------------------------------------------------------------
 
