@@ -31,8 +31,10 @@ of the heap, past its trim threshold (twice the largest block it has unmapped so
 them back to the kernel and took them again at the next backward: 100-250 page faults a step, 5%
 of a 1M-parameter step. DDP's process escapes this by accident (its constructor's coalesced
 broadcast frees a block the size of the model). `keep_heap` does it on purpose: one block of
-twice the gradients' size, allocated and freed, raises the thresholds as glibc itself would (it
-stops at 32 MB; other allocators ignore the hint). `bench/overhead.py` prints page faults per step.
+twice the gradients' size, allocated and freed, raises the thresholds as glibc itself would. A
+block over glibc's 32 MB maximum would change nothing, so it is capped just below (5M parameters:
+20 MB of gradients, 500-2000 page faults a step with a 32 MB block, 0 with the cap); other
+allocators ignore the hint. `bench/overhead.py` prints page faults per step.
 
 Control slots. The last bucket (if float32 or float64; otherwise one small extra buffer) carries
 `world_size` more elements: rank r writes its control value (the stop vote: a signal number or 0)
@@ -60,6 +62,7 @@ from ..errors import CollectiveFailed
 
 MB = 1 << 20
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MB  # a freed block larger than this leaves glibc's thresholds where they are
+HEAP_BLOCK_MAX = GLIBC_MMAP_THRESHOLD_MAX - 64 * 1024  # room for the chunk header and alignment
 CONTROL_DTYPES = (torch.float32, torch.float64)
 
 
@@ -99,7 +102,7 @@ def keep_heap(nbytes: int) -> None:
     """Let glibc keep up to 2 * nbytes freed at the top of the heap instead of trimming it (see the module
     docstring): a block this large is mmapped, and unmapping it raises the mmap threshold to its size and
     the trim threshold to twice that. Not a setting: later, larger blocks raise them further, as usual."""
-    block = torch.empty(min(nbytes, GLIBC_MMAP_THRESHOLD_MAX), dtype=torch.uint8)
+    block = torch.empty(min(nbytes, HEAP_BLOCK_MAX), dtype=torch.uint8)
     del block
 
 
