@@ -51,6 +51,8 @@ ELASTIC_DEADLINE_ENV = "TG_ELASTIC_DEADLINE"  # elastic: seconds a dead worker h
 JOB_SECRET_ENV = "TG_JOB_SECRET"  # the job's shared secret (control/auth.py); `trainguard run` makes one
 JOB_SECRET_FILE_ENV = "TG_JOB_SECRET_FILE"  # or a file holding it (the same on every host)
 INSECURE_ENV = "TG_INSECURE"  # 1: let a scheduler without a secret listen on a routable address
+METRICS_PORT_ENV = "TG_METRICS_PORT"  # the scheduler serves Prometheus metrics on this port (off if unset)
+METRICS_HOST_ENV = "TG_METRICS_HOST"  # ... on this address (default: the scheduler's)
 # torchrun and OpenMPI
 TORCHRUN_RANK, TORCHRUN_WORLD = "RANK", "WORLD_SIZE"
 TORCHRUN_ADDR, TORCHRUN_PORT, TORCHRUN_LOCAL_RANK = "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"
@@ -112,6 +114,8 @@ class ClusterConfig:
     recover_strategy: RecoverStrategy = parse_strategy(DEFAULT_STRATEGY)
     secret: bytes | None = field(default=None, repr=False)  # None: connections are not authenticated
     insecure: bool = False  # TG_INSECURE=1
+    metrics_port: int | None = None  # TG_METRICS_PORT: Prometheus metrics from the scheduler (control/metrics.py)
+    metrics_host: str | None = None  # TG_METRICS_HOST, else sched_host
 
     def __post_init__(self) -> None:
         if self.worker_num < 1:
@@ -134,6 +138,8 @@ class ClusterConfig:
             )
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"{BACKEND_ENV}={self.backend!r}: expected auto, gloo or nccl")
+        if self.metrics_port is not None and self.metrics_port == self.sched_port:
+            raise ConfigError(f"{METRICS_PORT_ENV}={self.metrics_port} is the scheduler's own port; choose another")
 
     @property
     def group_build_timeout(self) -> float:
@@ -229,6 +235,7 @@ def _common(env: Mapping[str, str]) -> dict:
     path = _pick(env, RECOVERY_PATH_ENV)
     local = env.get(LOCAL_RANK_ENV, "")
     flap = env.get(FLAP_LIMIT_ENV, "")
+    metrics = env.get(METRICS_PORT_ENV, "").strip()
     return dict(
         enable_recovery=enable,
         recovery_path=Path(path[1]).expanduser() if path else None,
@@ -245,6 +252,8 @@ def _common(env: Mapping[str, str]) -> dict:
         recover_strategy=strategy_from_env(env),
         secret=read_secret(env),
         insecure=_bool(INSECURE_ENV, env.get(INSECURE_ENV, "")),
+        metrics_port=parse_int(METRICS_PORT_ENV, metrics, lo=1, hi=65535) if metrics else None,
+        metrics_host=env.get(METRICS_HOST_ENV, "").strip() or None,
     )
 
 

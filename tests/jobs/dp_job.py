@@ -27,6 +27,7 @@ parser.add_argument("--save-steps", type=int, default=4)
 parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--dying-gasp", choices=["none", "config", "callback"], default="none",
                     help="config: CheckpointConfig(exception_save=True); callback: also an ExceptionCheckpoint")
+parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto", help="Model.train's progress bar")
 parser.add_argument("--retriable-at", default="", help="RANK:STEP: raise tg.Retriable once inside that step")
 args = parser.parse_args()
 
@@ -97,7 +98,8 @@ else:
 
     net = Noisy(net)
     model = tg.Model(net, nn.CrossEntropyLoss(), opt, scheduler=sched)
-    session = model.train(args.epochs, dataset, callbacks=callbacks, batch_size=16, seed=1)
+    session = model.train(args.epochs, dataset, callbacks=callbacks, batch_size=16, seed=1,
+                          progress={"auto": None, "on": True, "off": False}[args.progress])
     steps_done = session.step
 
 # --- the final state of this rank ------------------------------------------------------------

@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Sequence
 
-from ..config import ClusterConfig
+from ..config import ClusterConfig, this_host
 from ..errors import ConfigError
 from ..exitcodes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..signals import signal_name
@@ -263,3 +263,16 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(PARENT_POLL_S)
     log.error("the process that started this scheduler (pid %d) is gone; exiting", parent_pid)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def kill_if_local(node_id: str, host: str, pid: int) -> None:
+    """A hung (e.g. SIGSTOPped) worker on this host is killed so its peers' collectives fail fast."""
+    if host != this_host() or pid <= 0:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        log.warning("killed hung worker %s (pid %d)", node_id, pid)
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        log.error("cannot kill hung worker %s (pid %d): %s", node_id, pid, exc)

@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 
-from ..config import ClusterConfig, check_recovery_path, this_host
+from ..config import ClusterConfig, check_recovery_path
 from ..errors import ClusterStateError, ConfigError, ProtocolError
 from ..exitcodes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..obs.events import EventLog
@@ -28,9 +27,11 @@ from .agents import (
 from .db import ClusterDB
 from .elastic import ElasticScheduling
 from .kvstore import KVStore
+from .metrics import MetricsServer
 from .placement import PlacementPolicy
 from .rendezvous import RendezvousRequests
-from .sched_child import die_with_parent, publish_port
+from .sched_child import die_with_parent, kill_if_local, publish_port
+from .status import JobView
 
 log = logging.getLogger("trainguard.scheduler")
 
@@ -82,6 +83,8 @@ class Scheduler(RendezvousRequests):
         self._done: asyncio.Event | None = None
         self.port: int | None = None
         self.ready = threading.Event()
+        self.view = JobView(cfg.recovery_path if self.db else None, str(cfg.recover_strategy))  # status, metrics
+        self.metrics: MetricsServer | None = None
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -107,6 +110,10 @@ class Scheduler(RendezvousRequests):
                  self.cluster.worker_num, self.cluster.generation)
         self.events.emit("scheduler_started", port=self.port, resumed=self.resumed,
                           generation=self.cluster.generation, pid=os.getpid())
+        self.view.announce(self.cfg.sched_host, self.port)
+        if self.cfg.metrics_port is not None:
+            self.metrics = MetricsServer(self.cfg.metrics_host or self.cfg.sched_host, self.cfg.metrics_port,
+                                         lambda: self.view.snapshot)
         self.ready.set()
         monitor = asyncio.create_task(self._monitor())
         async with server:
@@ -117,6 +124,8 @@ class Scheduler(RendezvousRequests):
             for writer in list(self._writers):  # Python >= 3.12 waits on exit for every open connection
                 writer.close()
         monitor.cancel()
+        if self.metrics is not None:
+            self.metrics.close()
         job = self.cluster.job
         self.events.emit("job_end", state=job.value, root_cause=self.cluster.root_cause)
         if job is m.JobState.FAILED:
@@ -162,24 +171,13 @@ class Scheduler(RendezvousRequests):
         period = min(0.1, self.cfg.heartbeat_interval / 2)
         while True:
             await asyncio.sleep(period)
+            self.view.tick(self.cluster, time.monotonic())
             for node in m.expired(self.cluster, time.monotonic(), self.cfg.heartbeat_timeout):
                 detail = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
                 await self._fail(node.node_id, node.incarnation, p.FailureKind.HEARTBEAT, detail)
-                self._kill_if_local(node)
+                kill_if_local(node.node_id, node.host, node.pid)
             if self.elastic and not self.cluster.formed:  # a dead member's deadline may have passed
                 await self._try_form()
-
-    def _kill_if_local(self, node: m.Node) -> None:
-        """A hung (e.g. SIGSTOPped) worker on this host is killed so its peers' collectives fail fast."""
-        if node.host != this_host() or node.pid <= 0:
-            return
-        try:
-            os.kill(node.pid, signal.SIGKILL)
-            log.warning("killed hung worker %s (pid %d)", node.node_id, node.pid)
-        except ProcessLookupError:
-            pass
-        except PermissionError as exc:
-            log.error("cannot kill hung worker %s (pid %d): %s", node.node_id, node.pid, exc)
 
     # --- connections ------------------------------------------------------------------
 
@@ -292,6 +290,7 @@ class Scheduler(RendezvousRequests):
             log.info("%s reattached by heartbeat", node.node_id)
             await self._notify()
         node.last_seen = time.monotonic()
+        self.view.heartbeat(node.node_id, req.step, node.last_seen)
         self._liveness[id(writer)] = (node.node_id, node.incarnation)
         c = self.cluster
         return p.HeartbeatAck(generation=c.generation, formed=c.formed, job_over=c.job is not m.JobState.RUNNING)
@@ -348,12 +347,7 @@ class Scheduler(RendezvousRequests):
         return p.Ok()
 
     async def _on_status(self, req: p.Status):
-        c = self.cluster
-        nodes = [dict(node_id=n.node_id, rank=n.rank, host=n.host, pid=n.pid, incarnation=n.incarnation,
-                      state=n.state.value, failures=n.failures) for n in c.nodes.values()]
-        return p.StatusReply(state=dict(generation=c.generation, formed=c.formed, job=c.job.value,
-                                        worker_num=c.worker_num, root_cause=c.root_cause, nodes=nodes,
-                                        scheduler_pid=os.getpid()))
+        return p.StatusReply(state=self.view.status(self.cluster, time.monotonic()))
 
     # --- agents, for the recover strategy (agents.py) -------------------------------------
 

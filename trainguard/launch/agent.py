@@ -82,7 +82,8 @@ class Supervisor(Relocation):
                                        worker_env(base, spec, i)))
         self.spares: SparePool | None = None
         if spec.uses_hot_spares:
-            self.spares = SparePool(spec.script, spare_env(base, spec), spec.hot_spares, say=self._say)
+            self.spares = SparePool(spec.script, spare_env(base, spec), spec.hot_spares, say=self._say,
+                                    events=spec.events_path and EventLog(spec.events_path), agent=spec.node_rank)
         self.restarts_used = 0
         self.root: Failure | None = None
         self.preempted = False  # a worker exited 75: the job is stopping gracefully, nothing is restarted
@@ -174,7 +175,7 @@ class Supervisor(Relocation):
 
     def _events(self) -> list[dict]:
         """The job's events.jsonl so far ([] without a recovery path)."""
-        path = self.spec.recovery_path / "events.jsonl" if self.spec.recovery_path else None
+        path = self.spec.events_path
         return EventLog.read(path) if path is not None and path.is_file() else []
 
     def _signalled_code(self, signum: int) -> int:

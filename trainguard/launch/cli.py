@@ -1,4 +1,4 @@
-"""`trainguard` command line: `scheduler`, `run`, `ckpt` and `chaos`.
+"""`trainguard` command line: `scheduler`, `run`, `ckpt`, `chaos`, `status` and `report`.
 
 Flag names follow torchrun where they mean the same (`--nproc-per-node`, `--nnodes`,
 `--node-rank`, `--max-restarts`, `--log-dir`; `--master-addr/--master-port` are aliases of
@@ -29,7 +29,7 @@ from ..config import (
     from_env,
 )
 from ..errors import CheckpointError, ConfigError
-from . import chaos
+from . import chaos, observe
 from .agent import Supervisor
 from .budget import restart_rate
 from .jobfile import merge_job_file, resolve_strategy
@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="recover: seconds (default TG_HOST_FAIL_WINDOW, else 300)")
     run.add_argument("--host-cooldown", dest="host_cooldown", type=float,
                      help="recover: seconds an excluded host takes no worker (default TG_HOST_COOLDOWN, else 300)")
+    run.add_argument("--metrics-port", dest="metrics_port", type=int,
+                     help="the scheduler serves Prometheus metrics on this port, at /metrics (default TG_METRICS_PORT, "
+                          "else off); TG_METRICS_HOST sets the address (default the scheduler's)")
     run.add_argument("--config", type=Path, help="a job file (YAML or JSON) with these flags; flags win over it")
     run.add_argument("script", nargs="?", help="the training script (or `script:` in --config)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -116,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     recover.add_argument("--rank", type=int, required=True)
     ckpt.set_defaults(handler=_ckpt)
     chaos.add_parser(sub)
+    observe.add_parsers(sub)
     return parser
 
 
@@ -191,7 +195,8 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
                       nnodes=args.nnodes, node_rank=args.node_rank, sched_port=args.sched_port or 0,
                       max_restarts=args.max_restarts, restart_rate=restart_rate(args, env),
                       hot_spares=_hot_spares(args), recover_strategy=strategy,
-                      grace_s=grace, slots=args.slots or 0, placement=placement_policy(args, env))
+                      grace_s=grace, slots=args.slots or 0, placement=placement_policy(args, env),
+                      metrics_port=args.metrics_port)
     if not Path(args.script).is_file():
         raise ConfigError(f"script {args.script!r} not found")
     host_env, port_env = _first(env, SCHED_HOST_ENV), _first(env, SCHED_PORT_ENV)

@@ -24,6 +24,7 @@ from ..config import (
     JOB_SECRET_FILE_ENV,
     LOCAL_RANK_ENV,
     MAX_RETRIES_ENV,
+    METRICS_PORT_ENV,
     NODE_ID_ENV,
     RECOVER_STRATEGY_ENV,
     RECOVERY_PATH_ENV,
@@ -244,6 +245,7 @@ class LaunchSpec:
     slots: int = 0  # recover: workers this host can run (--slots); 0 = its own worker count
     placement: PlacementPolicy = PlacementPolicy()  # recover: host exclusion (--host-fail-limit, ...)
     secret: bytes | None = field(default=None, repr=False)  # the job secret (launch/secret.py); in the children's env
+    metrics_port: int | None = None  # --metrics-port: the scheduler serves Prometheus metrics (control/metrics.py)
 
     def __post_init__(self) -> None:
         if self.slots and self.slots < self.nproc_per_node:
@@ -260,6 +262,8 @@ class LaunchSpec:
             raise ConfigError(f"--hot-spares must be >= 0 (0 turns them off), got {self.hot_spares}")
         if not 0 <= self.sched_port <= 65535:
             raise ConfigError(f"--sched-port must be in 1..65535, got {self.sched_port}")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
         if self.grace_s <= 0 or self.sched_exit_wait_s < 0:
             raise ConfigError(f"--grace-period must be > 0 seconds (got {self.grace_s:g}) and the scheduler exit "
                               "wait >= 0")
@@ -275,6 +279,11 @@ class LaunchSpec:
     @property
     def enable_recovery(self) -> bool:
         return self.max_restarts > 0
+
+    @property
+    def events_path(self) -> Path | None:
+        """The job's events.jsonl, shared by the scheduler, the workers and the agents of this host."""
+        return self.recovery_path / "events.jsonl" if self.recovery_path is not None else None
 
     @property
     def uses_hot_spares(self) -> bool:
@@ -323,6 +332,8 @@ def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[
 def scheduler_env(base: Mapping[str, str], spec: LaunchSpec) -> dict[str, str]:
     env = _cluster_env(base, spec, Role.SCHEDULER)
     env.update(spec.placement.env())  # recover: the scheduler decides placements and host exclusion
+    if spec.metrics_port is not None:
+        env[METRICS_PORT_ENV] = str(spec.metrics_port)
     set_env(env, NODE_ID_ENV, None)
     set_env(env, LOCAL_RANK_ENV, None)
     return env

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from ..obs.events import EventLog
 from .policy import describe_exit
 
 SPARE_MODULE = "trainguard.launch.spare_main"
@@ -52,15 +53,25 @@ class SparePool:
     """Keeps `size` spares for `script` alive; `take()` hands one out and starts its successor."""
 
     def __init__(self, script: str, env: Mapping[str, str], size: int, *, say: Callable[[str], None],
-                 max_idle_deaths: int = MAX_IDLE_DEATHS) -> None:
+                 max_idle_deaths: int = MAX_IDLE_DEATHS, events: EventLog | None = None, agent: int = 0) -> None:
         self.script, self.env, self.size = os.path.abspath(script), dict(env), size
         self._say, self._max_deaths = say, max_idle_deaths
+        self._events, self._agent = events or EventLog.null(), agent  # `spares` events: ready count per agent
         self._lock = threading.Condition()
         self._idle: list[_Spare] = []
         self._spawning = 0
         self._busy = 0  # spawns and dismissals in flight; close() waits for them
         self._deaths = 0
         self.closed = self.disabled = False
+
+    @property
+    def ready_count(self) -> int:
+        with self._lock:
+            return sum(1 for s in self._idle if s.ready.is_set())
+
+    def _report(self) -> None:
+        """A `spares` event (trainguard status, metrics): how many are ready on this agent now."""
+        self._events.emit("spares", agent=self._agent, ready=self.ready_count)
 
     @property
     def idle_pids(self) -> list[int]:
@@ -87,6 +98,7 @@ class SparePool:
                 return None
             self._idle.remove(spare)
             self._deaths = 0
+        self._report()
         if replace:
             threading.Thread(target=self._spawn, name="tg-spare-spawn", daemon=True).start()
         return spare.popen
@@ -145,6 +157,7 @@ class SparePool:
                 if idle:
                     self._say(f"hot spare ready (pid {spare.popen.pid}, "
                               f"{time.monotonic() - spare.started:.1f} s to import)")
+                    self._report()
         finally:
             os.close(spare.ready_fd)
         with self._lock:
@@ -165,6 +178,7 @@ class SparePool:
         self._died(describe_exit("a hot spare", spare.popen.pid, rc) + (f": {last}" if last else ""))
 
     def _died(self, what: str) -> None:
+        self._report()
         with self._lock:
             if self.closed or self.disabled:
                 return

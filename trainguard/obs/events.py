@@ -226,3 +226,51 @@ def format_recovery(index: int, rec: dict[str, Any]) -> str:
     lost = rec["lost_steps"] if rec["lost_steps"] is not None else "?"
     return (f"trainguard: recovery {index}: {who} -> generation {rec['generation']}, resumed at step "
             f"{rec['to_step']}, lost {lost} steps, MTTR {mttr} ({since} to the first step finished after)")
+
+
+class EventTail:
+    """Reads a growing events.jsonl incrementally (the scheduler's status and metrics): each `update()`
+    parses only the complete lines appended since the last. It keeps the events a recovery summary
+    needs (`kept` kinds) and folds the rest into counters, so a long job's progress samples do not
+    pile up in memory."""
+
+    KEPT = frozenset({FAILURE_DETECTED, GENERATION_FORMED, RESTORE_STEP, RESTORED, STEP_FINISHED, FAULT_INJECTED,
+                      "left_generation", "agreed_restore"})
+    MAX_READ = 16 << 20  # bytes per update: a huge backlog is read over several updates
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.events: list[dict[str, Any]] = []
+        self.checkpoints: list[tuple[float, int]] = []  # (seconds, bytes) of each checkpoint_saved
+        self.spares: dict[int, int] = {}  # agent (node rank) -> hot spares ready
+        self._offset = 0
+
+    def update(self) -> bool:
+        """Read what was appended; True if anything was."""
+        if self.path is None:
+            return False
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read(self.MAX_READ)
+        except OSError:
+            return False
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next update
+        self._offset += end
+        for raw in data[:end].split(b"\n"):
+            try:
+                e = json.loads(raw) if raw.strip() else None
+            except ValueError:
+                continue
+            if isinstance(e, dict) and isinstance(e.get("ts"), (int, float)):
+                self._take(e)
+        return end > 0
+
+    def _take(self, e: dict[str, Any]) -> None:
+        kind = e.get("event")
+        if kind in self.KEPT:
+            self.events.append(e)
+        elif kind == "checkpoint_saved" and isinstance(e.get("seconds"), (int, float)):
+            self.checkpoints.append((float(e["seconds"]), int(e.get("bytes") or 0)))
+        elif kind == "spares" and isinstance(e.get("agent"), int) and isinstance(e.get("ready"), int):
+            self.spares[e["agent"]] = e["ready"]

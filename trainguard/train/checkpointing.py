@@ -83,6 +83,7 @@ class _Save:
     meta: dict
     blobs: dict  # every rank's own state blob at this step
     sid: str
+    started: float = field(default_factory=time.monotonic)  # for the event: how long the save took
 
     @property
     def tmp(self) -> Path:
@@ -196,7 +197,9 @@ class ModelCheckpoint:
         folder = jobsave.commit(job.folder, job.step, job.sid, manifest, timeout=timeout,
                                 give_up=self._writer.give_up)
         prune_checkpoints(self.root, self.prefix, self.config.keep_checkpoint_max)
-        self._emit("checkpoint_saved", step=job.step, folder=str(folder), world_size=job.world_size)
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        self._emit("checkpoint_saved", step=job.step, folder=str(folder), world_size=job.world_size,
+                   seconds=round(time.monotonic() - job.started, 4), bytes=size)
         return folder
 
     def _write(self, job: _Save) -> None:

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from .checkpointing import ModelCheckpoint
 from .data import ShardedSampler
 from .parallel import DataParallel
+from .progress import ProgressBar, wants_bar
 from .session import Session, SessionConfig
 from .state import TrainState
 
@@ -34,13 +35,18 @@ class Model:
                           drop_last=True)
 
     def train(self, epoch: int, train_dataset: Dataset | DataLoader, callbacks=(), *, batch_size: int | None = None,
-              shuffle: bool = True, seed: int = 0, snapshot_every: int = 1, retriable=()) -> Session:
+              shuffle: bool = True, seed: int = 0, snapshot_every: int = 1, retriable=(),
+              progress: bool | None = None) -> Session:
+        """`progress`: a bar on rank 0's stderr (train/progress.py); None: when stderr is a terminal."""
         loader = self._loader(train_dataset, batch_size, shuffle, seed)
         state = TrainState(model=self.parallel, optimizer=self.optimizer, scheduler=self.scheduler, loader=loader)
         disk = next((cb for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)
         session = Session(state, SessionConfig(epochs=epoch, snapshot_every=snapshot_every, retriable=retriable),
                           checkpoint=disk, callbacks=callbacks)
         self.session = session
+        if wants_bar(progress, session.rt.rank):
+            callbacks = (*callbacks, ProgressBar(session.total_steps))
+            session.callbacks.append(callbacks[-1])
         for cb in callbacks:
             if hasattr(cb, "on_train_begin"):
                 cb.on_train_begin(session)

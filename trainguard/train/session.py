@@ -48,6 +48,7 @@ from .checkpointing import DiskSources
 from .data import sampler_of
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .parallel import DataParallel
+from .progress import ProgressEvents
 from .snapshots import Snapshot
 from .state import TrainState, job_seed, reseed
 from .step import SessionConfig, Step, is_collective_failure
@@ -68,6 +69,7 @@ class Session:
         from .faults import env_callbacks
 
         self.callbacks += env_callbacks()  # TG_FAULT*: chaos-test any job without changing its code
+        self.callbacks.append(ProgressEvents())  # the step rate in events.jsonl (trainguard report)
         self.injectors = [cb for cb in self.callbacks if hasattr(cb, "on_phase")]
         self.step = 0  # committed steps
         self.epoch = 0
@@ -310,6 +312,7 @@ class Session:
                     if self.sync is not None:
                         self.state.model.drop()
                     rt.drop_group()  # peers blocked in a collective with us fail now, not at its timeout
+                    rt.events.emit("left_generation", generation=rt.generation, rank=rt.rank)
                     if reason and not reported:
                         rt.report_failure(reason)
                         reported = True
@@ -332,11 +335,11 @@ class Session:
             except CollectiveFailed as exc:
                 log.warning("rank %d: failure during recovery (%s); regrouping", rt.rank, str(exc)[:200])
         took = time.monotonic() - t0
-        if self.recoveries:
+        if self.recoveries or rt.generation > 1:  # a replacement reports its first step too (trainguard report)
             self._pending_report = t0
-            if rt.rank == 0:
-                print(f"trainguard: generation {rt.generation}: resumed at step {decision['step']} "
-                      f"(lost {lost_steps(decision)} steps), regrouped and restored in {took:.3f} s", flush=True)
+        if self.recoveries and rt.rank == 0:
+            print(f"trainguard: generation {rt.generation}: resumed at step {decision['step']} "
+                  f"(lost {lost_steps(decision)} steps), regrouped and restored in {took:.3f} s", flush=True)
 
     def _apply(self, decision: dict) -> None:
         rt = self.rt
