@@ -186,6 +186,43 @@ CORRUPTIONS = {
 }
 
 
+def symlink_manifest(folder, target):
+    """manifest.json becomes a symbolic link (to a copy outside the folder, or to a device)."""
+    if target is None:
+        target = folder.parent / "outside.json"
+        target.write_bytes((folder / "manifest.json").read_bytes())
+    (folder / "manifest.json").unlink()
+    (folder / "manifest.json").symlink_to(target)
+
+
+def fifo_manifest(folder):
+    (folder / "manifest.json").unlink()
+    os.mkfifo(folder / "manifest.json")  # nobody ever writes to it: a read would block forever
+
+
+def deep_manifest(folder):
+    (folder / "manifest.json").write_text('{"format_version": 1, "meta": ' + "[" * 200_000 + "]" * 200_000 + "}")
+
+
+# a stranger's checkpoint: each is refused with CheckpointCorrupt naming the file, without hanging, following a
+# link or reading more than the manifest says
+CORRUPTIONS.update({
+    "hostile: manifest links outside": (lambda f: symlink_manifest(f, None), "manifest.json", "symbolic link"),
+    "hostile: manifest links to /dev/zero": (lambda f: symlink_manifest(f, Path("/dev/zero")), "manifest.json",
+                                             "symbolic link"),
+    "hostile: manifest is a FIFO": (fifo_manifest, "manifest.json", "not a regular file"),
+    "hostile: deeply nested manifest": (deep_manifest, "manifest.json", "not JSON"),
+    "hostile: world_size 10**10": (lambda f: edit_manifest(f, lambda m: m.update(world_size=10**10)),
+                                   "manifest.json", "out of range"),
+    "hostile: sparse 4 GiB shard": (lambda f: os.truncate(f / SHARD, 4 << 30), SHARD,
+                                    "is 4294967296 bytes, the manifest says"),
+    "header with a dimension of 2**63 (hostile)": (lambda f: rewrite(f, SHARD, header_file(
+        {"a": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}})), SHARD, "bad shape"),
+    "header nested 100000 deep (hostile)": (lambda f: rewrite(f, SHARD, header_file(b"[" * 100_000 + b"]" * 100_000)),
+                                      SHARD, "header is not JSON"),
+})
+
+
 def flip(data):
     data = bytearray(data)
     data[len(data) // 2] ^= 0x10

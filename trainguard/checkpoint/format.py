@@ -41,7 +41,7 @@ from .manifest import (
     read,
     required_files,
 )
-from .safeheader import DTYPE_NAMES, DTYPES, check_header
+from .safeheader import DTYPE_NAMES, DTYPES, check_header, read_untrusted
 from .safeheader import corrupt as _corrupt
 
 log = logging.getLogger("trainguard.checkpoint")
@@ -202,14 +202,10 @@ def read_shard(path: Path, entry: FileEntry, verify: bool = True) -> dict[str, t
 
 def read_shard_metadata(path: Path, entry: FileEntry, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, string metadata of its header) of one shard file, checked as read_shard does."""
-    if path.is_symlink() or not path.is_file():
-        raise _corrupt(path, "is missing (or not a regular file) but the manifest lists it")
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise _corrupt(path, f"cannot be read ({exc.strerror})") from exc
-    if len(data) != entry.bytes:
-        raise _corrupt(path, f"is {len(data)} bytes, the manifest says {entry.bytes} (truncated or overwritten)")
+        data = read_untrusted(path, entry.bytes, expect=entry.bytes)
+    except FileNotFoundError:
+        raise _corrupt(path, "is missing but the manifest lists it") from None
     if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
         raise _corrupt(path, "sha256 does not match the manifest (the file was altered or bits flipped)")
     metadata = check_header(path, data)

@@ -11,10 +11,11 @@ import json
 from pathlib import Path
 
 from . import io
-from .safeheader import CorruptFile
+from .safeheader import CorruptFile, read_untrusted
 
 GROUP_INFO_KIND = "trainguard-group-info"
 RECREATE = "recreate it with `trainguard ckpt recover`"
+MAX_GROUP_INFO_BYTES = 64 << 20  # a list of ranks
 
 
 def group_info_file(rank: int) -> str:
@@ -31,9 +32,11 @@ def write_group_info(folder: Path, rank: int, ranks: list[int], world_size: int)
 def read_group_info(path: Path, rank: int | None) -> list[int]:
     """The ranks in the group info file at `path` (of `rank`, when given); CorruptFile otherwise."""
     try:
-        obj = json.loads(path.read_bytes())
+        obj = json.loads(read_untrusted(path, MAX_GROUP_INFO_BYTES))
     except FileNotFoundError:
         raise CorruptFile(path, "is missing", RECREATE) from None
+    except CorruptFile as exc:
+        raise CorruptFile(path, exc.reason, RECREATE) from None
     except (OSError, ValueError, RecursionError) as exc:
         raise CorruptFile(path, f"is not a readable JSON group info file ({exc})", RECREATE) from None
     ranks = obj.get("group_info") if isinstance(obj, dict) else None

@@ -42,12 +42,13 @@ from .blob import unpack
 from .codec import unflatten_state
 from .manifest import MANIFEST, Kind, Manifest, Recovered, Verified, rank_file, read
 from .pieces import PieceReader, single_reader
-from .safeheader import CorruptFile, corrupt
+from .safeheader import CorruptFile, corrupt, read_untrusted
 
 log = logging.getLogger("trainguard.checkpoint")
 
 META_KEY = "trainguard_meta"  # the state's structure (codec meta), in each file's safetensors metadata
 POLL_S = 0.05
+MAX_MARKER_BYTES = 1 << 20  # a done/failed marker is a line of JSON
 # (rank, step) of the part this thread is writing, for fault injection (trainguard.train.faults)
 WRITING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("trainguard_writing", default=None)
 
@@ -112,8 +113,8 @@ def _read_markers(tmp: Path, world_size: int, sid: str) -> tuple[dict[int, dict]
     for rank in range(world_size):
         for kind in ("failed", "done"):
             try:
-                obj = json.loads(_marker(tmp, rank, kind).read_bytes())
-            except (OSError, ValueError, RecursionError):
+                obj = json.loads(read_untrusted(_marker(tmp, rank, kind), MAX_MARKER_BYTES))
+            except (OSError, ValueError, RecursionError, CheckpointCorrupt):
                 continue
             if not isinstance(obj, dict) or obj.get("save_id") != sid or obj.get("rank") != rank:
                 continue
@@ -197,11 +198,12 @@ def copy_replica(manifest: Manifest, name: str, source: str) -> bool:
     """Rewrite `name` with the bytes of `source`, kept only if its sha256 matches the manifest."""
     folder = manifest.folder
     try:
-        data = (folder / source).read_bytes()
-        if hashlib.sha256(data).hexdigest() != manifest.files[name].sha256:
+        entry = manifest.files[name]
+        data = read_untrusted(folder / source, entry.bytes, expect=entry.bytes)
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
             raise OSError(f"{source} changed while it was copied")
         io.write_bytes(folder / name, data)
-    except OSError as exc:
+    except (OSError, CheckpointCorrupt) as exc:
         log.warning("could not rewrite %s from its replica %s: %s", folder / name, source, exc)
         return False
     log.warning("rewrote %s from its replica %s (sha256 matches the manifest)", folder / name, source)

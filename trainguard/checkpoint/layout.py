@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..errors import CheckpointError
+from .safeheader import MAX_DIM
 
 KINDS = ("sliced", "integrated")
 
@@ -256,7 +257,8 @@ def _tensor_from_json(name: str, spec: Any, n_ranks: int) -> TensorLayout:
     _need(isinstance(spec, dict), f"tensor {name!r}: entry is not an object")
     shape, pieces_json, placements = spec.get("shape"), spec.get("pieces"), spec.get("placements")
     _need(isinstance(spec.get("dtype"), str), f"tensor {name!r}: 'dtype' is not a string")
-    _need(_int_list(shape), f"tensor {name!r}: 'shape' {str(shape)[:80]} is not a list of sizes")
+    _need(_int_list(shape) and all(s < MAX_DIM for s in shape),
+          f"tensor {name!r}: 'shape' {str(shape)[:80]} is not a list of sizes below {MAX_DIM}")
     _need(placements is None or (isinstance(placements, list) and all(isinstance(p, str) for p in placements)),
           f"tensor {name!r}: 'placements' is not a list of strings")
     _need(isinstance(pieces_json, list) and pieces_json, f"tensor {name!r}: 'pieces' is not a non-empty list")

@@ -31,9 +31,11 @@ from typing import Any
 
 from ..errors import CheckpointError
 from .layout import CheckpointLayout
-from .safeheader import DTYPES, CorruptFile, corrupt
+from .safeheader import DTYPES, CorruptFile, corrupt, read_untrusted
 
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists files and slices; a larger one is not ours
+MAX_WORLD_SIZE = 1 << 20
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_.\-]+\.safetensors$")
 _HEX = frozenset(string.hexdigits)
 
@@ -173,11 +175,9 @@ def read(folder: str | Path) -> Manifest:
     folder = Path(folder)
     path = folder / MANIFEST
     try:
-        data = path.read_bytes()
+        data = read_untrusted(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise corrupt(path, "is missing: the save never completed") from None
-    except OSError as exc:
-        raise corrupt(path, f"cannot be read ({exc.strerror})") from exc
     return parse(data, folder)
 
 
@@ -217,7 +217,7 @@ def _parse(m: Any, folder: Path, path: Path) -> Manifest:
                       ("created", (int, float))):
         if not _number(m.get(key), want):
             raise corrupt(path, f"field {key!r} is missing or not a {getattr(want, '__name__', 'number')}")
-    if m["step"] < 0 or m["epoch"] < 0 or m["world_size"] < 1:
+    if m["step"] < 0 or m["epoch"] < 0 or not 1 <= m["world_size"] <= MAX_WORLD_SIZE:
         raise corrupt(path, f"step/epoch/world_size {m['step']}/{m['epoch']}/{m['world_size']} out of range")
     if m.get("append_info") is not None and not isinstance(m["append_info"], dict):
         raise corrupt(path, "field 'append_info' is not an object")

@@ -9,7 +9,10 @@ CheckpointCorrupt whose message says to fall back to an earlier checkpoint, and 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import torch
 from ..errors import CheckpointCorrupt, CheckpointError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_DIM = 1 << 48  # no tensor dimension is larger; a bigger one in a header is a lie
 FALLBACK = "fall back to an earlier checkpoint"
 
 # safetensors dtype name -> (torch dtype, bytes per element); only dtypes safetensors reads
@@ -55,6 +59,43 @@ def corrupt(path: Path, what: str) -> CorruptFile:
     return CorruptFile(path, what)
 
 
+def read_untrusted(path: Path, limit: int, *, expect: int | None = None) -> bytes:
+    """The bytes of a checkpoint file that may be hostile, checked before anything is read: opened without
+    following a symbolic link and without blocking (a FIFO), it must be a regular file of at most `limit`
+    bytes, exactly `expect` when given (a sparse or grown file is refused by its size, unread). Raises
+    CorruptFile naming it; FileNotFoundError is left to the caller, which knows what a missing file means."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise corrupt(path, "is a symbolic link; a checkpoint's files are regular files in its folder") from None
+        raise corrupt(path, f"cannot be read ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise corrupt(path, "is not a regular file (a FIFO, a device or a folder)")
+        if expect is not None and st.st_size != expect:
+            raise corrupt(path, f"is {st.st_size} bytes, the manifest says {expect} (truncated or overwritten)")
+        if st.st_size > limit:
+            raise corrupt(path, f"is {st.st_size} bytes, more than such a file may be ({limit})")
+        chunks, left = [], st.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left or os.read(fd, 1):
+            raise corrupt(path, "changed size while it was read")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise corrupt(path, f"cannot be read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """safetensors' name for a torch dtype; CheckpointError if it cannot store it."""
     if dtype not in DTYPE_NAMES:
@@ -72,8 +113,8 @@ def check_header(path: Path, data: bytes) -> dict:
                        f"{MAX_HEADER_BYTES})")
     try:
         header = json.loads(data[8:8 + n])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise corrupt(path, f"safetensors header is not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise corrupt(path, f"safetensors header is not JSON ({type(exc).__name__})") from None
     if not isinstance(header, dict):
         raise corrupt(path, "safetensors header is not a JSON object")
     body, spans = len(data) - 8 - n, []
@@ -83,7 +124,7 @@ def check_header(path: Path, data: bytes) -> dict:
         if not isinstance(spec, dict) or spec.get("dtype") not in DTYPES:
             raise corrupt(path, f"tensor {key!r} has unknown dtype {str(spec)[:80]}")
         shape, offs = spec.get("shape"), spec.get("data_offsets")
-        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+        if not (isinstance(shape, list) and all(type(s) is int and 0 <= s < MAX_DIM for s in shape)):
             raise corrupt(path, f"tensor {key!r} has a bad shape {str(shape)[:80]}")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
                 and 0 <= offs[0] <= offs[1] <= body):

@@ -8,6 +8,7 @@ that closes that one connection and nothing more.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import socket
 import struct
@@ -299,8 +300,13 @@ def encode(msg: _Msg) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, len(payload)) + payload
 
 
-def parse_header(header: bytes) -> int:
-    """Length of the payload that follows, or ProtocolError."""
+MAX_REQUEST_BYTES = 4 << 20  # what the scheduler reads: requests are small (a store value is the largest)
+MAX_REQUEST_OBJECTS = 100_000  # maps and arrays in one request: msgpack turns 1 byte into a 64-byte dict
+MAX_REPLY_OBJECTS = 10_000_000
+
+
+def parse_header(header: bytes, limit: int = MAX_FRAME_BYTES) -> int:
+    """Length of the payload that follows, or ProtocolError (checked before anything more is read)."""
     magic, version, length = HEADER.unpack(header)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {magic!r}: this port speaks the trainguard protocol only")
@@ -309,14 +315,28 @@ def parse_header(header: bytes) -> int:
             f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION}); "
             "run the same trainguard version on every process"
         )
-    if length > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if length > limit:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {limit}-byte limit")
     return length
 
 
-def _decode(payload: bytes, adapter: TypeAdapter):
+class _Budget:
+    """Counts the maps and arrays msgpack builds; past the budget, decoding stops at once."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+
+    def __call__(self, obj):
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError("too many maps and arrays in one message")
+        return obj
+
+
+def _decode(payload: bytes, adapter: TypeAdapter, max_objects: int):
+    budget = _Budget(max_objects)
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, object_hook=budget, list_hook=budget)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"payload is not valid msgpack: {exc}") from None
     try:
@@ -329,11 +349,11 @@ def _decode(payload: bytes, adapter: TypeAdapter):
 
 
 def decode_request(payload: bytes):
-    return _decode(payload, _requests)
+    return _decode(payload, _requests, MAX_REQUEST_OBJECTS)
 
 
 def decode_reply(payload: bytes):
-    return _decode(payload, _replies)
+    return _decode(payload, _replies, MAX_REPLY_OBJECTS)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -344,6 +364,24 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("connection closed by the scheduler")
         buf += chunk
     return bytes(buf)
+
+
+FRAME_READ_TIMEOUT_S = 10.0  # a started frame must arrive whole by then (a half-sent frame holds nothing longer)
+
+
+async def read_request(reader: asyncio.StreamReader):
+    """The next request on a scheduler connection: None at a clean end of the connection; ProtocolError for
+    a bad header, an oversized or stalled frame, or a payload that is not a valid request."""
+    try:
+        header = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError:
+        return None
+    length = parse_header(header, MAX_REQUEST_BYTES)
+    try:
+        payload = await asyncio.wait_for(reader.readexactly(length), FRAME_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"a {length}-byte frame did not arrive within {FRAME_READ_TIMEOUT_S:g} s") from None
+    return decode_request(payload)
 
 
 def read_frame(sock: socket.socket) -> bytes:

@@ -37,6 +37,7 @@ log = logging.getLogger("trainguard.scheduler")
 
 # exit codes (exitcodes.py): EXIT_CONFIG, its configuration or cluster.db was refused at start; EXIT_JOB_FAILED,
 # the job failed for good (a crash of the scheduler itself exits otherwise); EXIT_PREEMPTED, the job stopped on a signal
+MAX_CONNECTIONS_BASE = 256  # open connections beyond 4 per worker (2 each, reconnects, agents, tools)
 LINGER_MAX_S = 2.0  # a failed job's scheduler answers its survivors this long at most before it exits
 
 
@@ -85,6 +86,7 @@ class Scheduler(RendezvousRequests):
         self.ready = threading.Event()
         self.view = JobView(cfg.recovery_path if self.db else None, str(cfg.recover_strategy))  # status, metrics
         self.metrics: MetricsServer | None = None
+        self.max_connections = MAX_CONNECTIONS_BASE + 4 * cfg.worker_num
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -183,6 +185,10 @@ class Scheduler(RendezvousRequests):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        if len(self._writers) >= self.max_connections:  # workers hold 2 each; a flood is turned away, logged
+            log.warning("refused a connection from %s: %d open, the limit", peer, len(self._writers))
+            writer.close()
+            return
         self._writers.add(writer)
         try:
             refused = await auth.accept(reader, writer, self.cfg.secret)
@@ -190,15 +196,13 @@ class Scheduler(RendezvousRequests):
                 log.warning("dropped a connection from %s: %s", peer, refused)
                 self.events.emit("connection_refused", peer=str(peer)[:100], reason=refused)
                 return
-            while True:
+            while (req := await p.read_request(reader)) is not None:
                 try:
-                    header = await reader.readexactly(p.HEADER.size)
-                except asyncio.IncompleteReadError:
-                    return
-                length = p.parse_header(header)
-                req = p.decode_request(await reader.readexactly(length))
-                reply = await self._dispatch(req, writer)
-                writer.write(p.encode(reply))
+                    data = p.encode(await self._dispatch(req, writer))
+                except (ValueError, TypeError, KeyError, OverflowError, ArithmeticError) as exc:  # a handler's bug
+                    log.error("%s request from %s failed: %r", req.type, peer, exc)  # or a hostile value: answered
+                    data = p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=f"{req.type}: {type(exc).__name__}"))
+                writer.write(data)
                 await writer.drain()
         except ProtocolError as exc:
             log.warning("dropped connection from %s: %s", peer, exc)

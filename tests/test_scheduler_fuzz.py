@@ -1,0 +1,139 @@
+"""A real scheduler under random and mutated frames (hypothesis, a bounded number of examples): it stays
+alive, a well-formed request is still answered within 1 s, a handler's error is an answer, and the monitor
+still declares a silent member dead on time. Frames of empty maps cost little and block nothing."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_scheduler_wire import HOST, WAIT_S, client, exchange, frame, in_thread
+
+from trainguard.control import auth
+from trainguard.control import protocol as p
+from trainguard.control.client import query_status
+from trainguard.control.scheduler import MAX_CONNECTIONS_BASE
+
+TYPES = ["register", "reattach", "heartbeat", "join", "report_failure", "agree", "finish", "process_exited",
+         "status", "store", "agent_sync", "agent_place", "bogus"]
+FIELDS = ["node_id", "incarnation", "generation", "host", "pid", "worker_num", "step", "purpose", "payload",
+          "timeout", "op", "key", "keys", "value", "kind", "detail", "exit_code", "after", "agent", "running"]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
+                    st.floats(allow_nan=True), st.text(max_size=40).filter(lambda s: s != "vm"),
+                    st.binary(max_size=40))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8),
+                                                                                            inner, max_size=5),
+                      max_leaves=20)
+requests = st.fixed_dictionaries({"type": st.sampled_from(TYPES)}, optional={
+    f: values for f in FIELDS}).map(lambda d: {**d, "timeout": 0.05} if "timeout" in d else d)
+
+
+def mutated(payload: bytes, data) -> bytes:
+    raw = bytearray(payload)
+    for _ in range(data.draw(st.integers(0, 4))):
+        if raw:
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    return bytes(raw)
+
+
+def send(address, data: bytes) -> None:
+    """One frame on a fresh connection; read the answer (or the close) for at most a short while."""
+    with socket.create_connection(address, timeout=WAIT_S) as sock:
+        sock.recv(auth.HELLO_SIZE, socket.MSG_WAITALL)
+        sock.sendall(data)
+        sock.settimeout(0.3)  # a join or agree waits for others: do not wait for its answer
+        try:
+            sock.recv(65536)
+        except (TimeoutError, ConnectionError):
+            pass
+
+
+@pytest.fixture(scope="module")
+def fuzzed(tmp_path_factory):
+    sched, thread, address = in_thread(tmp_path_factory.mktemp("fuzz"), heartbeat_interval=0.1,
+                                       heartbeat_timeout=1.0)
+    yield sched, thread, address
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(req=requests, data=st.data())
+def test_random_and_mutated_frames_never_break_the_scheduler(fuzzed, req, data):
+    _, thread, address = fuzzed
+    payload = msgpack.packb(req, use_bin_type=True)
+    send(address, frame(mutated(payload, data) if data.draw(st.booleans()) else payload))
+    assert thread.is_alive()
+
+
+def test_after_the_fuzzing_it_answers_fast_and_still_detects_a_silent_member(fuzzed):
+    _, thread, address = fuzzed
+    t0 = time.monotonic()
+    state = query_status(address)
+    assert time.monotonic() - t0 < 1.0 and thread.is_alive()
+    member = client(address)
+    reg = member.register(node_id="1", host=HOST, pid=0, worker_num=2)  # a fuzzed "1" died long ago
+    t1 = time.monotonic()
+    while time.monotonic() - t1 < 5.0:  # heartbeat timeout 1 s: declared dead within a few monitor periods
+        nodes = {n["node_id"]: n for n in query_status(address)["nodes"]}
+        if nodes.get(reg.node_id, {}).get("state") not in ("alive", "unknown"):
+            break
+        time.sleep(0.1)
+    took = time.monotonic() - t1
+    assert nodes[reg.node_id]["state"] not in ("alive", "unknown") and took < 3.0, (took, state)
+    member.close()
+
+
+def test_a_frame_of_empty_maps_is_refused_before_it_costs_anything(tmp_path):
+    _, thread, address = in_thread(tmp_path)
+    for n in (40 << 20, (4 << 20) - 64):  # 40 MiB: refused at the header; 4 MiB: at the 100,000th map
+        body = msgpack.packb({"type": "status", "x": [{}] * (n - 32)})[:n]
+        data = frame(body) if n <= p.MAX_REQUEST_BYTES else frame(body[:4096], length=n)  # the rest is never read
+        t0 = time.monotonic()
+        reply, rest = exchange(address, data)
+        assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.BAD_MESSAGE
+        assert ("exceeds" if n > p.MAX_REQUEST_BYTES else "too many maps") in reply.message
+        assert time.monotonic() - t0 < 2.0  # includes sending 4 MiB over loopback
+        assert query_status(address)["worker_num"] == 2 and thread.is_alive()
+
+
+def test_a_handler_that_fails_on_a_hostile_value_answers_with_an_error(tmp_path):
+    _, thread, address = in_thread(tmp_path)
+    with socket.create_connection(address, timeout=WAIT_S) as sock:
+        sock.recv(auth.HELLO_SIZE, socket.MSG_WAITALL)
+        replies = []
+        for req in ({"type": "store", "generation": 1, "op": "set", "keys": ["k"], "value": b"not a number"},
+                    {"type": "store", "generation": 1, "op": "add", "keys": ["k"], "amount": 1},
+                    {"type": "store", "generation": 1, "op": "set", "keys": ["n"], "value": b"1"},
+                    {"type": "store", "generation": 1, "op": "add", "keys": ["n"], "amount": 2**64 - 1}):
+            sock.sendall(frame(msgpack.packb(req, use_bin_type=True)))
+            length = p.parse_header(p.recv_exact(sock, p.HEADER.size))
+            replies.append(p.decode_reply(p.recv_exact(sock, length)))
+        assert [type(r).__name__ for r in replies] == ["StoreReply", "Error", "StoreReply", "Error"]
+        assert "ValueError" in replies[1].message and "OverflowError" in replies[3].message
+    assert query_status(address)["worker_num"] == 2 and thread.is_alive()
+
+
+def test_a_flood_of_connections_is_turned_away_and_members_still_get_in(tmp_path):
+    _, thread, address = in_thread(tmp_path)
+    limit = MAX_CONNECTIONS_BASE + 4 * 2
+    flood = []
+    try:
+        for _ in range(limit + 20):
+            flood.append(socket.create_connection(address, timeout=WAIT_S))
+        time.sleep(0.5)
+        refused = 0
+        for s in flood:
+            s.settimeout(0.5)
+            try:
+                refused += s.recv(auth.HELLO_SIZE) == b""
+            except (TimeoutError, ConnectionError):
+                pass
+        assert refused >= 20
+    finally:
+        for s in flood:
+            s.close()
+    time.sleep(0.3)
+    assert query_status(address)["worker_num"] == 2 and thread.is_alive()
