@@ -33,7 +33,9 @@ TUTORIAL_WORKERS, TUTORIAL_EPOCHS = 2, 10
 TIMEOUT_S = 300
 
 
-def run(cmd: list[str]) -> str:
+def run(cmd: list[str], *, retry: bool = True) -> str:
+    """stdout of one run. A failed run is run once more, saying so: torch's own gloo teardown sometimes
+    aborts a finished plain-torchrun process (SIGABRT in destroy_process_group, seen once here)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TG_FAULT": ""}
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -41,7 +43,12 @@ def run(cmd: list[str]) -> str:
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
         sys.exit(f"timed out after {TIMEOUT_S} s: {' '.join(cmd)}\n{out[-2000:]}\n{err[-2000:]}")
     if proc.returncode != 0:
-        sys.exit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        why = f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        if not retry:
+            sys.exit(why)
+        print(f"note: a run failed (exit {proc.returncode}, last line: {proc.stderr.strip()[-200:]!r}); running it "
+              "once more", flush=True)
+        return run(cmd, retry=False)
     return proc.stdout
 
 

@@ -1,10 +1,16 @@
-"""A real scheduler under random and mutated frames (hypothesis, a bounded number of examples): it stays
-alive, a well-formed request is still answered within 1 s, a handler's error is an answer, and the monitor
-still declares a silent member dead on time. Frames of empty maps cost little and block nothing."""
+"""A scheduler a stranger (or a member gone bad) cannot break, tested against a real one: random and mutated
+frames (hypothesis, a bounded number of examples) leave it alive, a well-formed request is still answered
+within 1 s, a handler's error is an answer, and the monitor still declares a silent member dead on time.
+Frames of empty maps cost little and block nothing; a flood of connections is turned away; and the pid in
+a message never makes it kill a process that is not its client."""
 
 from __future__ import annotations
 
+import logging
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import msgpack
@@ -13,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler_wire import HOST, WAIT_S, client, exchange, frame, in_thread
 
+from trainguard.config import this_host
 from trainguard.control import auth
 from trainguard.control import protocol as p
 from trainguard.control.client import query_status
@@ -137,3 +144,41 @@ def test_a_flood_of_connections_is_turned_away_and_members_still_get_in(tmp_path
             s.close()
     time.sleep(0.3)
     assert query_status(address)["worker_num"] == 2 and thread.is_alive()
+
+
+def wait_dead(address, node_id: str, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        nodes = {n["node_id"]: n["state"] for n in query_status(address)["nodes"]}
+        if nodes.get(node_id) not in ("alive", "unknown"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"node {node_id} was not declared dead")
+
+
+def test_the_monitor_kills_only_a_process_that_holds_a_connection_to_it(tmp_path, caplog):
+    """A register naming another process's pid (here a sleeping bystander) and then silence: the monitor
+    declares the member dead but kills nothing. A silent process that is connected to the scheduler (a hung
+    worker) is killed."""
+    caplog.set_level(logging.WARNING)
+    _, thread, address = in_thread(tmp_path, heartbeat_interval=0.1, heartbeat_timeout=1.0)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    hung = subprocess.Popen([sys.executable, "-c", "import socket, sys, time; s = socket.create_connection(("
+                             f"'127.0.0.1', {address[1]})); time.sleep(60)"])
+    try:
+        time.sleep(0.5)  # the hung one has connected
+        liar, member = client(address), client(address)
+        liar.register(node_id="0", host=this_host(), pid=bystander.pid, worker_num=2)
+        member.register(node_id="1", host=this_host(), pid=hung.pid, worker_num=2)
+        wait_dead(address, "0")
+        wait_dead(address, "1")
+        assert hung.wait(timeout=5) == -signal.SIGKILL
+        time.sleep(0.3)
+        assert bystander.poll() is None, "the scheduler killed a process that is not its client"
+        assert any(f"not killing pid {bystander.pid}" in r.getMessage() for r in caplog.records)
+        liar.close()
+        member.close()
+    finally:
+        for proc in (bystander, hung):
+            proc.kill()
+            proc.wait()

@@ -265,9 +265,43 @@ def _watch_parent(parent_pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def kill_if_local(node_id: str, host: str, pid: int) -> None:
-    """A hung (e.g. SIGSTOPped) worker on this host is killed so its peers' collectives fail fast."""
+def holds_connection_to(pid: int, port: int) -> bool:
+    """Does process `pid` hold a TCP connection to local port `port`? Its descriptors' socket inodes
+    (/proc/PID/fd) against the connection table (/proc/net/tcp, tcp6). False when either cannot be read."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    inodes = set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()  # sl, local address:port, remote address:port, ..., inode (10th)
+            if len(cols) > 9 and cols[9] in inodes and int(cols[2].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+def kill_if_local(node_id: str, host: str, pid: int, port: int) -> None:
+    """A hung (e.g. SIGSTOPped) worker on this host is killed so its peers' collectives fail fast; but only
+    a process that holds a connection to this scheduler (`port`): a pid from a message is not enough, and a
+    reused pid or a stranger's choice of victim holds none."""
     if host != this_host() or pid <= 0:
+        return
+    if not holds_connection_to(pid, port):
+        log.warning("not killing pid %d (worker %s): it holds no connection to this scheduler, so it is not that "
+                    "worker", pid, node_id)
         return
     try:
         os.kill(pid, signal.SIGKILL)

@@ -177,7 +177,7 @@ class Scheduler(RendezvousRequests):
             for node in m.expired(self.cluster, time.monotonic(), self.cfg.heartbeat_timeout):
                 detail = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
                 await self._fail(node.node_id, node.incarnation, p.FailureKind.HEARTBEAT, detail)
-                kill_if_local(node.node_id, node.host, node.pid)
+                kill_if_local(node.node_id, node.host, node.pid, self.port)
             if self.elastic and not self.cluster.formed:  # a dead member's deadline may have passed
                 await self._try_form()
 
