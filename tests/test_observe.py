@@ -24,7 +24,7 @@ from trainguard.launch.observe import render_status
 from trainguard.obs.events import EventTail
 from trainguard.obs.report import render
 from trainguard.obs.timeline import PHASES, build, step_rate, summary
-from trainguard.train.progress import wants_bar
+from trainguard.train.progress import terminal, wants_bar
 
 parser = pytest.importorskip("prometheus_client.parser")
 
@@ -306,3 +306,14 @@ def test_the_progress_bar_is_on_for_a_terminal_on_rank_0_only():
     assert wants_bar(None, 0, tty) and not wants_bar(None, 0, io.StringIO())
     assert not wants_bar(None, 1, tty) and not wants_bar(True, 1, tty)
     assert wants_bar(True, 0, io.StringIO()) and not wants_bar(False, 0, tty)
+    # under `trainguard run` stderr is a pipe to the agent; the agent names its terminal, if it has one
+    assert wants_bar(None, 0, io.StringIO(), {"TG_TERMINAL": "/dev/pts/0"}) and not wants_bar(None, 0, io.StringIO(), {})
+
+
+def test_the_bar_draws_only_on_a_character_device(tmp_path):
+    (tmp_path / "f").write_text("")
+    assert terminal({"TG_TERMINAL": str(tmp_path / "f")}) is None  # a path we would write to: only a terminal
+    assert terminal({"TG_TERMINAL": str(tmp_path / "missing")}) is None and terminal({}) is None
+    dev = terminal({"TG_TERMINAL": os.devnull})  # a character device, as a terminal is
+    assert dev is not None
+    dev.close()

@@ -53,6 +53,7 @@ JOB_SECRET_FILE_ENV = "TG_JOB_SECRET_FILE"  # or a file holding it (the same on 
 INSECURE_ENV = "TG_INSECURE"  # 1: let a scheduler without a secret listen on a routable address
 METRICS_PORT_ENV = "TG_METRICS_PORT"  # the scheduler serves Prometheus metrics on this port (off if unset)
 METRICS_HOST_ENV = "TG_METRICS_HOST"  # ... on this address (default: the scheduler's)
+TERMINAL_ENV = "TG_TERMINAL"  # set by `trainguard run` on a terminal: where rank 0's progress bar draws
 # torchrun and OpenMPI
 TORCHRUN_RANK, TORCHRUN_WORLD = "RANK", "WORLD_SIZE"
 TORCHRUN_ADDR, TORCHRUN_PORT, TORCHRUN_LOCAL_RANK = "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"

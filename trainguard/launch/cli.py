@@ -224,8 +224,9 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
     secret = job_secret(env, nnodes=spec.nnodes, insecure=_bool_env(env, INSECURE_ENV))
     if secret is not None and recovery is not None and spec.hosts_scheduler:
         write_secret(recovery, secret)  # for the same user's tools (trainguard chaos)
+    terminal = os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else None  # rank 0's progress bar draws there
     return replace(spec, sched_host=host, sched_port=port, recovery_path=recovery, log_dir=args.log_dir,
-                   secret=secret)
+                   secret=secret, terminal=terminal)
 
 
 def _bool_env(env: Mapping[str, str], name: str) -> bool:

@@ -31,6 +31,7 @@ from ..config import (
     ROLE_ENV,
     SCHED_HOST_ENV,
     SCHED_PORT_ENV,
+    TERMINAL_ENV,
     TORCHRUN_LOCAL_RANK,
     WORKER_NUM_ENV,
     Role,
@@ -246,6 +247,7 @@ class LaunchSpec:
     placement: PlacementPolicy = PlacementPolicy()  # recover: host exclusion (--host-fail-limit, ...)
     secret: bytes | None = field(default=None, repr=False)  # the job secret (launch/secret.py); in the children's env
     metrics_port: int | None = None  # --metrics-port: the scheduler serves Prometheus metrics (control/metrics.py)
+    terminal: str | None = None  # the agent's terminal, if its stderr is one: workers' progress bars draw there
 
     def __post_init__(self) -> None:
         if self.slots and self.slots < self.nproc_per_node:
@@ -347,6 +349,7 @@ def worker_env(base: Mapping[str, str], spec: LaunchSpec, index: int, *, node_id
     set_env(env, LOCAL_RANK_ENV, str(index))
     env[TORCHRUN_LOCAL_RANK] = str(index)  # for scripts that pick their device torchrun's way
     env.setdefault("OMP_NUM_THREADS", "1")
+    set_env(env, TERMINAL_ENV, spec.terminal)  # their stderr is a pipe to the agent (train/progress.py)
     return env
 
 
