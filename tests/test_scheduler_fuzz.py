@@ -17,7 +17,16 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler_wire import HOST, WAIT_S, client, exchange, frame, in_thread
+from test_scheduler_wire import (
+    HOST,
+    WAIT_S,
+    client,
+    exchange,
+    form,
+    frame,
+    in_thread,
+    register_all,
+)
 
 from trainguard.config import this_host
 from trainguard.control import auth
@@ -106,21 +115,47 @@ def test_a_frame_of_empty_maps_is_refused_before_it_costs_anything(tmp_path):
         assert query_status(address)["worker_num"] == 2 and thread.is_alive()
 
 
-def test_a_handler_that_fails_on_a_hostile_value_answers_with_an_error(tmp_path):
-    _, thread, address = in_thread(tmp_path)
+def raw_requests(address, reqs: list[dict]) -> list:
+    """Send each request on one raw connection and return the decoded replies."""
+    replies = []
     with socket.create_connection(address, timeout=WAIT_S) as sock:
         sock.recv(auth.HELLO_SIZE, socket.MSG_WAITALL)
-        replies = []
-        for req in ({"type": "store", "generation": 1, "op": "set", "keys": ["k"], "value": b"not a number"},
-                    {"type": "store", "generation": 1, "op": "add", "keys": ["k"], "amount": 1},
-                    {"type": "store", "generation": 1, "op": "set", "keys": ["n"], "value": b"1"},
-                    {"type": "store", "generation": 1, "op": "add", "keys": ["n"], "amount": 2**64 - 1}):
+        for req in reqs:
             sock.sendall(frame(msgpack.packb(req, use_bin_type=True)))
             length = p.parse_header(p.recv_exact(sock, p.HEADER.size))
             replies.append(p.decode_reply(p.recv_exact(sock, length)))
-        assert [type(r).__name__ for r in replies] == ["StoreReply", "Error", "StoreReply", "Error"]
-        assert "ValueError" in replies[1].message and "OverflowError" in replies[3].message
+    return replies
+
+
+def test_a_handler_that_fails_on_a_hostile_value_answers_with_an_error(tmp_path):
+    _, thread, address = in_thread(tmp_path)
+    members = register_all(address, ["0", "1"])
+    form(members)
+    me = {"node_id": "0", "incarnation": members[0].identity.incarnation, "generation": 1, "type": "store"}
+    replies = raw_requests(address, [{**me, "op": "set", "keys": ["k"], "value": b"not a number"},
+                                     {**me, "op": "add", "keys": ["k"], "amount": 1},
+                                     {**me, "op": "set", "keys": ["n"], "value": b"1"},
+                                     {**me, "op": "add", "keys": ["n"], "amount": 2**64 - 1}])
+    assert [type(r).__name__ for r in replies] == ["StoreReply", "Error", "StoreReply", "Error"]
+    assert "ValueError" in replies[1].message and "OverflowError" in replies[3].message  # answered, still open
     assert query_status(address)["worker_num"] == 2 and thread.is_alive()
+
+
+def test_the_store_is_for_the_members_of_its_generation_only(tmp_path):
+    """A client that holds the secret but is not a member (no identity, an unknown node, a stale incarnation)
+    can neither read nor write the rendezvous keys that gloo's addresses travel in."""
+    _, thread, address = in_thread(tmp_path)
+    members = register_all(address, ["0", "1"])
+    form(members)
+    key = ["trainguard/g1/rank_0"]
+    members[0].store(p.StoreOp(generation=1, op="set", keys=key, value=b"10.0.0.1:1234"))
+    strangers = [{}, {"node_id": "7", "incarnation": 1}, {"node_id": "1", "incarnation": 99}]
+    for who in strangers:
+        for op in ({"op": "get", "keys": key, "timeout": 0.2}, {"op": "set", "keys": key, "value": b"attacker:1"}):
+            (reply,) = raw_requests(address, [{"type": "store", "generation": 1, **who, **op}])
+            assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.FENCED, (who, op, reply)
+            assert "is for its members" in reply.message
+    assert members[1].store(p.StoreOp(generation=1, op="get", keys=key, timeout=1.0)).value == b"10.0.0.1:1234"
 
 
 def test_a_flood_of_connections_is_turned_away_and_members_still_get_in(tmp_path):

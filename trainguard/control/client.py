@@ -188,6 +188,10 @@ class SchedulerClient:
                             stopped=stopped), 10.0, patience=patience)
 
     def store(self, msg: p.StoreOp) -> p.StoreReply:
+        """One store operation, as this registered member (the scheduler refuses anyone else)."""
+        if msg.node_id is None:
+            me = self._ident()
+            msg = msg.model_copy(update={"node_id": me.node_id, "incarnation": me.incarnation})
         return raise_for(self._call(msg, msg.timeout + 5.0, retry=False), f"rendezvous store {msg.op}")
 
     def status(self, patience: float | None = None) -> dict:

@@ -153,6 +153,8 @@ class StoreOp(_Msg):
 
     type: Literal["store"] = "store"
     generation: int = Field(ge=1)
+    node_id: NodeId | None = None  # who asks: only members of `generation` may use its store
+    incarnation: int | None = Field(default=None, ge=1)
     op: Literal["set", "get", "add", "check", "wait", "delete", "compare_set", "num_keys"]
     keys: list[Key] = Field(default_factory=list, max_length=4096)
     value: bytes = b""

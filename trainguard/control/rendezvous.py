@@ -101,6 +101,12 @@ class RendezvousRequests:
         if req.generation != c.generation:
             return p.Error(code=p.ErrorCode.FENCED, retry=True, message=(
                 f"store access for generation {req.generation} refused (now {c.generation})"))
+        node, members = c.nodes.get(req.node_id or ""), fm.generation_members(c)
+        if node is None or node.incarnation != req.incarnation or req.node_id not in members or \
+                node.state not in (m.NodeState.ALIVE, m.NodeState.UNKNOWN):
+            return p.Error(code=p.ErrorCode.FENCED, message=(
+                f"the store of generation {req.generation} is for its members; {req.node_id!r} incarnation "
+                f"{req.incarnation} is not one (members: {', '.join(members)[:200]})"))
         if req.op in ("get", "wait"):
             keys = req.keys
             ok = await self._wait(lambda: self.kv.has(req.generation, keys) or c.generation != req.generation,
