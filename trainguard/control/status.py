@@ -34,7 +34,6 @@ class JobView:
         self.steps: dict[str, tuple[int, float]] = {}  # node id -> (last step it reported, when)
         self.samples: deque[tuple[float, int]] = deque()  # (time, job step), at most one a second
         self.steps_done = 0  # steps finished, counting those redone after a recovery (monotonic)
-        self._last_step: int | None = None
         self._recoveries: list[dict] = []
         self._tail_size = -1
         self.snapshot: dict[str, Any] = {}  # the latest published view (read by the metrics thread)
@@ -54,18 +53,19 @@ class JobView:
         os.replace(tmp, path)
 
     def heartbeat(self, node_id: str, step: int, now: float) -> None:
-        """A member's heartbeat said it has committed `step` steps (-1: not training yet)."""
+        """A member's heartbeat said it has committed `step` steps (-1: not training yet). O(1): the job's
+        step (the members' largest) is taken at most once a second, as a sample."""
         if step < 0:
             return
         self.steps[node_id] = (step, now)
+        if self.samples and now - self.samples[-1][0] < SAMPLE_EVERY_S:
+            return
         job_step = max(s for s, _ in self.steps.values())
-        if self._last_step is not None and job_step > self._last_step:
-            self.steps_done += job_step - self._last_step
-        self._last_step = job_step
-        if not self.samples or now - self.samples[-1][0] >= SAMPLE_EVERY_S or job_step < self.samples[-1][1]:
-            self.samples.append((now, job_step))
-            while now - self.samples[0][0] > RATE_WINDOW_S:
-                self.samples.popleft()
+        if self.samples and job_step > self.samples[-1][1]:
+            self.steps_done += job_step - self.samples[-1][1]
+        self.samples.append((now, job_step))
+        while now - self.samples[0][0] > RATE_WINDOW_S:
+            self.samples.popleft()
 
     # --- views ------------------------------------------------------------------------------
 
@@ -82,7 +82,8 @@ class JobView:
         return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
 
     def recoveries(self) -> list[dict]:
-        if self.tail.update() or self._tail_size != len(self.tail.events):
+        self.tail.update()
+        if len(self.tail.events) != self._tail_size:  # only a recovery's events change the recoveries
             self._tail_size = len(self.tail.events)
             tl = build(self.tail.events)
             self._recoveries = [{"index": r.index, "ts": r.start, "cause": r.cause,
