@@ -29,13 +29,14 @@ def job_args(out: Path, *, level: str = "low", epochs: int = 2, extra: tuple = (
 
 
 def launch(out: Path, workers: int, *, faults: str = "", level: str = "low", epochs: int = 2, extra: tuple = (),
-           max_restarts: int = 3, timeout: float = 150, spares: int | None = None) -> subprocess.CompletedProcess:
+           max_restarts: int = 3, timeout: float = 150, spares: int | None = None,
+           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--max-restarts", str(max_restarts),
            "--recovery-path", str(out / "recovery")]
     if spares is not None:
         cmd += ["--hot-spares", str(spares)]
     cmd += job_args(out, level=level, epochs=epochs, extra=extra)
-    proc = subprocess.run(cmd, env=env(TG_FAULT=faults), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=env(TG_FAULT=faults, **(extra_env or {})), capture_output=True, text=True, timeout=timeout)
     (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     return proc
 

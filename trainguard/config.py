@@ -53,6 +53,7 @@ JOB_SECRET_FILE_ENV = "TG_JOB_SECRET_FILE"  # or a file holding it (the same on 
 INSECURE_ENV = "TG_INSECURE"  # 1: let a scheduler without a secret listen on a routable address
 METRICS_PORT_ENV = "TG_METRICS_PORT"  # the scheduler serves Prometheus metrics on this port (off if unset)
 METRICS_HOST_ENV = "TG_METRICS_HOST"  # ... on this address (default: the scheduler's)
+BEAT_SOCKET_ENV = "TG_BEAT_SOCKET"  # set by `trainguard run`'s agent: beat to it, not the scheduler (launch/relay.py)
 TERMINAL_ENV = "TG_TERMINAL"  # set by `trainguard run` on a terminal: where rank 0's progress bar draws
 # torchrun and OpenMPI
 TORCHRUN_RANK, TORCHRUN_WORLD = "RANK", "WORLD_SIZE"
@@ -117,6 +118,7 @@ class ClusterConfig:
     insecure: bool = False  # TG_INSECURE=1
     metrics_port: int | None = None  # TG_METRICS_PORT: Prometheus metrics from the scheduler (control/metrics.py)
     metrics_host: str | None = None  # TG_METRICS_HOST, else sched_host
+    beat_socket: str | None = None  # TG_BEAT_SOCKET: heartbeats go to this host's agent (launch/relay.py)
 
     def __post_init__(self) -> None:
         if self.worker_num < 1:
@@ -255,6 +257,7 @@ def _common(env: Mapping[str, str]) -> dict:
         insecure=_bool(INSECURE_ENV, env.get(INSECURE_ENV, "")),
         metrics_port=parse_int(METRICS_PORT_ENV, metrics, lo=1, hi=65535) if metrics else None,
         metrics_host=env.get(METRICS_HOST_ENV, "").strip() or None,
+        beat_socket=env.get(BEAT_SOCKET_ENV) or None,
     )
 
 

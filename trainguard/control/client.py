@@ -69,6 +69,23 @@ class Connection:
             log.debug("closing scheduler socket: %s", exc)
 
 
+class LocalConnection(Connection):
+    """To this host's agent, which relays heartbeats (launch/relay.py), over its Unix socket. No job-secret
+    handshake: the socket is in a directory only this user may enter, and the agent serves its own workers
+    only (it checks the peer's pid)."""
+
+    def __init__(self, path: str, timeout: float):
+        self.address = (path, 0)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.connect(path)
+        except OSError as exc:
+            self.close()
+            raise SchedulerUnavailable(f"cannot reach this host's agent at {path} (TG_BEAT_SOCKET): {exc}") from None
+        self.sock.settimeout(None)
+
+
 def connect(address: Address, deadline: float, what: str = "the scheduler", secret: bytes | None = None) -> Connection:
     """Connect, retrying with backoff until the deadline (the scheduler may start last)."""
     delay = BACKOFF_START_S
@@ -205,10 +222,11 @@ class SchedulerClient:
 
 
 class Heartbeater(threading.Thread):
-    """Sends heartbeats on its own connection and records what the scheduler says."""
+    """Sends heartbeats on its own connection and records what the scheduler says; to the agent's relay
+    instead when `relay` names its socket."""
 
     def __init__(self, address: Address, identity: Identity, interval: float, *, step_fn=lambda: -1,
-                 on_news=lambda: None, secret: bytes | None = None):
+                 on_news=lambda: None, secret: bytes | None = None, relay: str | None = None):
         super().__init__(name="trainguard-heartbeat", daemon=True)
         self.address, self.identity, self.interval, self.secret = address, identity, interval, secret
         self.step_fn = step_fn
@@ -220,16 +238,20 @@ class Heartbeater(threading.Thread):
         self.connected = threading.Event()
         self._stop = threading.Event()
         self._conn: Connection | None = None
+        self.relay = relay
 
     def run(self) -> None:
         delay = BACKOFF_START_S
         while not self._stop.is_set():
             try:
                 if self._conn is None:
-                    self._conn = Connection(self.address, timeout=2.0, secret=self.secret)
+                    self._conn = (LocalConnection(self.relay, 2.0) if self.relay else
+                                  Connection(self.address, timeout=2.0, secret=self.secret))
                 me = self.identity
                 reply = self._conn.request(p.Heartbeat(node_id=me.node_id, incarnation=me.incarnation,
                                                        generation=self.generation_seen, step=self.step_fn()), 10.0)
+                if isinstance(reply, p.Error) and reply.retry:  # the relay has no word from the scheduler yet
+                    raise SchedulerUnavailable(reply.message)
                 if isinstance(reply, p.Error):
                     self.fenced = reply.message
                     log.error("scheduler refused heartbeat: %s", reply.message)

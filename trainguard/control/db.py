@@ -1,7 +1,10 @@
 """The scheduler's durable state: cluster.db under the recovery path (sqlite, WAL, synchronous=FULL).
 
 Only membership changes are written (registration, death, generation change, job end), never
-heartbeats. A corrupt or foreign file is an error, never a silent reset.
+heartbeats, and of those only the rows that changed since the last save: a registration storm of
+10,000 workers writes each node once, not the whole table once per registration. The scheduler
+saves once per pass of its event loop (commit.py), so one fsync covers every change of that pass.
+A corrupt or foreign file is an error, never a silent reset.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ CREATE TABLE IF NOT EXISTS nodes (
 """
 
 
+def _row(n: Node) -> tuple:
+    return (n.node_id, n.rank, n.host, n.pid, n.incarnation,
+            (NodeState.ALIVE if n.state is NodeState.UNKNOWN else n.state).value, n.failures)
+
+
 class ClusterDB:
     def __init__(self, directory: Path):
         self.path = Path(directory) / DB_NAME
@@ -33,6 +41,8 @@ class ClusterDB:
             # holds at least its header page once created, so an empty one was truncated
             raise self._corrupt("the file is empty")
         self._conn = None
+        self._written: dict[str, tuple] = {}  # node id -> its row as last committed
+        self._meta: dict[str, str] = {}
         try:
             self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._conn.execute("PRAGMA journal_mode=WAL")
@@ -60,6 +70,8 @@ class ClusterDB:
                 "SELECT node_id, rank, host, pid, incarnation, state, failures FROM nodes").fetchall()
         except sqlite3.DatabaseError as exc:
             raise self._corrupt(exc) from None
+        self._meta = dict(meta)
+        self._written = {row[0]: tuple(row) for row in rows}
         if not meta:
             return None
         try:
@@ -83,26 +95,38 @@ class ClusterDB:
             raise self._corrupt(exc) from None
         return cluster
 
-    def save(self, cluster: Cluster) -> None:
+    def save(self, cluster: Cluster, touched: set[str] | None = None) -> int:
+        """Commit what changed since the last save (one transaction, one fsync); returns the rows written.
+        `touched`: the only node ids whose rows may have changed (None: compare them all)."""
         meta = {
             "schema": str(SCHEMA_VERSION), "worker_num": str(cluster.worker_num),
             "generation": str(cluster.generation), "formed": "1" if cluster.formed else "0",
             "job": cluster.job.value, "root_cause": cluster.root_cause,
             "next_generated_id": str(cluster.next_generated_id),
         }
-        nodes = [(n.node_id, n.rank, n.host, n.pid, n.incarnation,
-                  (NodeState.ALIVE if n.state is NodeState.UNKNOWN else n.state).value, n.failures)
-                 for n in cluster.nodes.values()]
+        ids = cluster.nodes.keys() | self._written.keys() if touched is None else touched
+        rows = {node_id: _row(cluster.nodes[node_id]) for node_id in ids if node_id in cluster.nodes}
+        written = self._written
+        changed = [row for node_id, row in rows.items() if written.get(node_id) != row]
+        gone = [(node_id,) for node_id in ids if node_id not in cluster.nodes and node_id in written]
+        new_meta = [(k, v) for k, v in meta.items() if self._meta.get(k) != v]
+        if not (changed or gone or new_meta):
+            return 0
         c = self._conn
         c.execute("BEGIN IMMEDIATE")
         try:
-            c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", meta.items())
-            c.execute("DELETE FROM nodes")
-            c.executemany("INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?)", nodes)
+            c.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", new_meta)
+            c.executemany("DELETE FROM nodes WHERE node_id = ?", gone)
+            c.executemany("INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?)", changed)
             c.execute("COMMIT")
         except BaseException:
             c.execute("ROLLBACK")
             raise
+        for (node_id,) in gone:
+            del written[node_id]
+        written.update((row[0], row) for row in changed)
+        self._meta = meta
+        return len(changed) + len(gone) + len(new_meta)
 
     def archive(self) -> Path:
         """Move a finished job's file aside so a new job can start here."""

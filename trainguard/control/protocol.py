@@ -16,8 +16,6 @@ from typing import Annotated, Literal, Union
 
 import msgpack
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
@@ -26,22 +24,28 @@ from pydantic import (
 
 from ..config import MAX_FRAME_BYTES
 from ..errors import ProtocolError
+from .hostmsgs import (  # an agent's messages: placement under `recover`, its host's heartbeats
+    AgentOrders,
+    AgentPlace,
+    AgentSync,
+    Beat,  # noqa: F401  (p.Beat)
+    HostBeat,
+    HostBeatAck,
+    Order,  # noqa: F401  (p.Order)
+    Placed,
+    Refused,  # noqa: F401  (p.Refused)
+)
+from .msgbase import (  # the base of every message, the field types
+    Host,
+    Key,
+    Msg,
+    NodeId,
+    Pid,
+)
 
 MAGIC = b"TG"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">2sBI")
-
-
-class _Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-NodeId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
-Key = Annotated[str, Field(min_length=1, max_length=1024)]
-# a host name that reaches logs: no control characters (a "\n" would forge log lines)
-Host = Annotated[str, Field(max_length=255, pattern=r"^[^\x00-\x1f\x7f]*$")]
-# a pid the scheduler may signal: within Linux's pid_max (2**22), so os.kill and sqlite never overflow
-Pid = Annotated[int, Field(ge=0, le=1 << 22)]
 
 
 class ErrorCode(str, enum.Enum):
@@ -67,7 +71,7 @@ class FailureKind(str, enum.Enum):
 # --- requests -------------------------------------------------------------------
 
 
-class Register(_Msg):
+class Register(Msg):
     type: Literal["register"] = "register"
     node_id: NodeId | None = None
     host: Host
@@ -75,7 +79,7 @@ class Register(_Msg):
     worker_num: int = Field(ge=1)
 
 
-class Reattach(_Msg):
+class Reattach(Msg):
     type: Literal["reattach"] = "reattach"
     node_id: NodeId
     incarnation: int = Field(ge=1)
@@ -84,7 +88,7 @@ class Reattach(_Msg):
     worker_num: int = Field(ge=1)
 
 
-class Heartbeat(_Msg):
+class Heartbeat(Msg):
     type: Literal["heartbeat"] = "heartbeat"
     node_id: NodeId
     incarnation: int = Field(ge=1)
@@ -92,7 +96,7 @@ class Heartbeat(_Msg):
     step: int = Field(ge=-1)
 
 
-class Join(_Msg):
+class Join(Msg):
     """Ask to be part of the next formed generation newer than `after`; answered once all have joined."""
 
     type: Literal["join"] = "join"
@@ -102,7 +106,7 @@ class Join(_Msg):
     timeout: float = Field(gt=0)
 
 
-class ReportFailure(_Msg):
+class ReportFailure(Msg):
     type: Literal["report_failure"] = "report_failure"
     node_id: NodeId
     incarnation: int = Field(ge=1)
@@ -111,7 +115,7 @@ class ReportFailure(_Msg):
     detail: str = Field(default="", max_length=8192)
 
 
-class Agree(_Msg):
+class Agree(Msg):
     """A barrier that also gathers one small document per rank; the scheduler returns its decision."""
 
     type: Literal["agree"] = "agree"
@@ -123,7 +127,7 @@ class Agree(_Msg):
     timeout: float = Field(gt=0)
 
 
-class Finish(_Msg):
+class Finish(Msg):
     type: Literal["finish"] = "finish"
     node_id: NodeId
     incarnation: int = Field(ge=1)
@@ -132,7 +136,7 @@ class Finish(_Msg):
     stopped: bool = False  # a graceful exit at a commit point (signal): the job ends as stopped, not done
 
 
-class ProcessExited(_Msg):
+class ProcessExited(Msg):
     """From the launcher's agent: a worker process it watches has exited."""
 
     type: Literal["process_exited"] = "process_exited"
@@ -144,11 +148,11 @@ class ProcessExited(_Msg):
     final: bool = False  # the agent will not restart it (strategy or budget): the job fails with this root cause
 
 
-class Status(_Msg):
+class Status(Msg):
     type: Literal["status"] = "status"
 
 
-class StoreOp(_Msg):
+class StoreOp(Msg):
     """torch.distributed Store operations, fenced by generation."""
 
     type: Literal["store"] = "store"
@@ -169,39 +173,17 @@ class StoreOp(_Msg):
         return self
 
 
-# --- agents and the `recover` strategy (placement.py, agents.py) ---------------------
-
-
-class AgentSync(_Msg):
-    """From an agent, every few tenths of a second under `recover`: what it runs; answered with its orders."""
-
-    type: Literal["agent_sync"] = "agent_sync"
-    agent: int = Field(ge=0)  # its node rank
-    host: Host
-    slots: int = Field(ge=1)
-    running: list[NodeId] = Field(default_factory=list, max_length=4096)
-    handled: list[int] = Field(default_factory=list, max_length=4096)  # order seqs it has carried out
-
-
-class AgentPlace(_Msg):
-    """From an agent whose worker died under `recover`: where does it start again?"""
-
-    type: Literal["agent_place"] = "agent_place"
-    agent: int = Field(ge=0)
-    node_id: NodeId
-    in_place_ok: bool = False
-
 
 Request = Annotated[
     Union[Register, Reattach, Heartbeat, Join, ReportFailure, Agree, Finish, ProcessExited, Status, StoreOp,
-          AgentSync, AgentPlace],
+          AgentSync, AgentPlace, HostBeat],
     Field(discriminator="type"),
 ]
 
 # --- replies --------------------------------------------------------------------
 
 
-class Member(_Msg):
+class Member(Msg):
     node_id: str
     rank: int
     host: str
@@ -209,7 +191,7 @@ class Member(_Msg):
     incarnation: int
 
 
-class Registered(_Msg):
+class Registered(Msg):
     type: Literal["registered"] = "registered"
     node_id: str
     rank: int
@@ -218,14 +200,14 @@ class Registered(_Msg):
     worker_num: int
 
 
-class HeartbeatAck(_Msg):
+class HeartbeatAck(Msg):
     type: Literal["heartbeat_ack"] = "heartbeat_ack"
     generation: int
     formed: bool
     job_over: bool = False
 
 
-class Formed(_Msg):
+class Formed(Msg):
     type: Literal["formed"] = "formed"
     generation: int
     rank: int
@@ -234,49 +216,28 @@ class Formed(_Msg):
     members: list[Member]
 
 
-class Agreed(_Msg):
+class Agreed(Msg):
     type: Literal["agreed"] = "agreed"
     decision: dict
 
 
-class StoreReply(_Msg):
+class StoreReply(Msg):
     type: Literal["store_reply"] = "store_reply"
     value: bytes = b""
     number: int = 0
     flag: bool = False
 
 
-class StatusReply(_Msg):
+class StatusReply(Msg):
     type: Literal["status_reply"] = "status_reply"
     state: dict
 
 
-class Order(_Msg):
-    seq: int
-    node_id: str
-    origin: int  # the agent it died on
-
-
-class AgentOrders(_Msg):
-    type: Literal["agent_orders"] = "agent_orders"
-    start: list[Order] = Field(default_factory=list)
-    job: str = "running"
-    root_cause: str = ""
-    elsewhere: int = 0  # workers running on (or placed on) the other live agents
-
-
-class Placed(_Msg):
-    type: Literal["placed"] = "placed"
-    action: Literal["move", "in_place", "fail"]
-    target: int | None = None
-    reason: str = ""
-
-
-class Ok(_Msg):
+class Ok(Msg):
     type: Literal["ok"] = "ok"
 
 
-class Error(_Msg):
+class Error(Msg):
     type: Literal["error"] = "error"
     code: ErrorCode
     message: str
@@ -284,7 +245,8 @@ class Error(_Msg):
 
 
 Reply = Annotated[
-    Union[Registered, HeartbeatAck, Formed, Agreed, StoreReply, StatusReply, AgentOrders, Placed, Ok, Error],
+    Union[Registered, HeartbeatAck, Formed, Agreed, StoreReply, StatusReply, AgentOrders, Placed, HostBeatAck, Ok,
+          Error],
     Field(discriminator="type"),
 ]
 
@@ -295,7 +257,7 @@ _replies: TypeAdapter = TypeAdapter(Reply)
 # --- codec ----------------------------------------------------------------------
 
 
-def encode(msg: _Msg) -> bytes:
+def encode(msg: Msg) -> bytes:
     payload = msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
     if len(payload) > MAX_FRAME_BYTES:
         raise ProtocolError(f"message of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
@@ -368,6 +330,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+_timeout = getattr(asyncio, "timeout", None)
 FRAME_READ_TIMEOUT_S = 10.0  # a started frame must arrive whole by then (a half-sent frame holds nothing longer)
 
 
@@ -380,7 +343,11 @@ async def read_request(reader: asyncio.StreamReader):
         return None
     length = parse_header(header, MAX_REQUEST_BYTES)
     try:
-        payload = await asyncio.wait_for(reader.readexactly(length), FRAME_READ_TIMEOUT_S)
+        if _timeout is not None:  # Python >= 3.11: a deadline on this task; wait_for makes a task per frame
+            async with _timeout(FRAME_READ_TIMEOUT_S):
+                payload = await reader.readexactly(length)
+        else:
+            payload = await asyncio.wait_for(reader.readexactly(length), FRAME_READ_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise ProtocolError(f"a {length}-byte frame did not arrive within {FRAME_READ_TIMEOUT_S:g} s") from None
     return decode_request(payload)

@@ -21,9 +21,9 @@ from ..obs.events import EventLog
 from . import auth
 from . import membership as m
 from . import protocol as p
-from .agents import (
-    AgentBoard,  # recover: where a dead worker starts again (hooks: _on_agent_*)
-)
+from .agentreqs import AgentRequests
+from .agents import AgentBoard  # recover: where a dead worker starts again
+from .commit import GroupCommit
 from .db import ClusterDB
 from .elastic import ElasticScheduling
 from .kvstore import KVStore
@@ -38,11 +38,14 @@ log = logging.getLogger("trainguard.scheduler")
 # exit codes (exitcodes.py): EXIT_CONFIG, its configuration or cluster.db was refused at start; EXIT_JOB_FAILED,
 # the job failed for good (a crash of the scheduler itself exits otherwise); EXIT_PREEMPTED, the job stopped on a signal
 MAX_CONNECTIONS_BASE = 256  # open connections beyond 4 per worker (2 each, reconnects, agents, tools)
+QUIET_REGISTRATIONS = 256  # larger jobs log first registrations at DEBUG only (10,000 lines say nothing)
+LISTEN_BACKLOG = 4096  # a registration storm of thousands connects at once (the kernel caps it at somaxconn)
 LINGER_MAX_S = 2.0  # a failed job's scheduler answers its survivors this long at most before it exits
 
 
-class Scheduler(RendezvousRequests):
-    """Membership, fencing and the job's end; the rendezvous requests are in sched_rendezvous.py."""
+class Scheduler(RendezvousRequests, AgentRequests):
+    """Membership, fencing and the job's end; the rendezvous requests are in rendezvous.py, the agents' in
+    agentreqs.py."""
 
     def __init__(self, cfg: ClusterConfig, *, port_fd: int | None = None):
         self.cfg = cfg
@@ -74,6 +77,7 @@ class Scheduler(RendezvousRequests):
         self.elastic = (ElasticScheduling(strategy.elastic_deadline, self.cluster, time.monotonic())
                         if cfg.enable_recovery and strategy.elastic else None)
         self.elastic_deadline = self.elastic.deadline if self.elastic else None
+        self.commits = GroupCommit(lambda touched: self.db.save(self.cluster, touched))  # one fsync per pass of the loop
         self.kv = KVStore()
         self.agents = AgentBoard(PlacementPolicy.from_env(os.environ), self.events)
         self._agreements: dict[tuple[int, str], dict[int, dict]] = {}
@@ -97,7 +101,8 @@ class Scheduler(RendezvousRequests):
             log.warning("no job secret: every local user can reach this scheduler on %s (set TG_JOB_SECRET_FILE "
                         "to authenticate; `trainguard run` does it for you)", self.cfg.sched_host)
         try:
-            server = await asyncio.start_server(self._handle, self.cfg.sched_host, self.cfg.sched_port)
+            server = await asyncio.start_server(self._handle, self.cfg.sched_host, self.cfg.sched_port,
+                                                backlog=LISTEN_BACKLOG)
         except OSError as exc:
             raise ConfigError(
                 f"scheduler cannot listen on {self.cfg.sched_host}:{self.cfg.sched_port} ({exc.strerror or exc}); "
@@ -137,6 +142,7 @@ class Scheduler(RendezvousRequests):
         else:
             log.info("all %d workers finished; scheduler exits", self.cluster.worker_num)
         if self.db:
+            self.commits.flush()
             self.db.close()
         return {m.JobState.DONE: 0, m.JobState.STOPPED: EXIT_PREEMPTED}.get(job, EXIT_JOB_FAILED)
 
@@ -163,14 +169,17 @@ class Scheduler(RendezvousRequests):
                     return predicate()
             return True
 
-    def _persist(self) -> None:
+    def _persist(self, *node_ids: str) -> None:
+        """Save the cluster at the end of this pass of the loop: the meta row, and the rows of `node_ids`
+        (none named: every row)."""
         if self.db:
-            self.db.save(self.cluster)
+            self.commits.changed(node_ids or None)
         if self.cluster.job is not m.JobState.RUNNING:
             self._done.set()
 
     async def _monitor(self) -> None:
-        period = min(0.1, self.cfg.heartbeat_interval / 2)
+        # an O(N) scan: every 0.1 s for small jobs, up to every 0.5 s at 10,000 (within the 1 s allowed)
+        period = min(max(0.1, self.cluster.worker_num / 20_000), self.cfg.heartbeat_interval / 2)
         while True:
             await asyncio.sleep(period)
             if self.metrics is not None:  # the endpoint's thread reads what the loop publishes
@@ -203,6 +212,7 @@ class Scheduler(RendezvousRequests):
                 except (ValueError, TypeError, KeyError, OverflowError, ArithmeticError) as exc:  # a handler's bug
                     log.error("%s request from %s failed: %r", req.type, peer, exc)  # or a hostile value: answered
                     data = p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=f"{req.type}: {type(exc).__name__}"))
+                await self.commits.durable()  # no reply reveals a change before it is saved (commit.py)
                 writer.write(data)
                 await writer.drain()
         except ProtocolError as exc:
@@ -227,9 +237,7 @@ class Scheduler(RendezvousRequests):
 
     async def _dispatch(self, req, writer):
         handler = getattr(self, f"_on_{req.type}")
-        if req.type == "heartbeat":
-            return await handler(req, writer)
-        return await handler(req)
+        return await (handler(req, writer) if req.type == "heartbeat" else handler(req))
 
     def _current(self, node_id: str, incarnation: int) -> m.Node | p.Error:
         node = self.cluster.nodes.get(node_id)
@@ -266,9 +274,10 @@ class Scheduler(RendezvousRequests):
                                 quarantine_s=self.cfg.quarantine_s)
         if self.elastic and self.elastic.regrow(c, node.node_id):
             self.events.emit("generation_bumped", generation=c.generation, by=node.node_id, reason="elastic_regrow")
-        self._persist()
-        log.info("registered %s as incarnation %d (pid %d on %s)%s", node.node_id, node.incarnation, req.pid,
-                 req.host, f", replacing {d.replaces}" if d.replaces else "")
+        self._persist(node.node_id, *([d.replaces] if d.replaces else []))
+        quiet = c.worker_num > QUIET_REGISTRATIONS and node.incarnation == 1  # events.jsonl has every one
+        log.log(logging.DEBUG if quiet else logging.INFO, "registered %s as incarnation %d (pid %d on %s)%s",
+                node.node_id, node.incarnation, req.pid, req.host, f", replacing {d.replaces}" if d.replaces else "")
         self.events.emit("registered", node=node.node_id, rank=node.rank, incarnation=node.incarnation,
                           pid=req.pid, generation=c.generation)
         await self._notify()
@@ -288,13 +297,8 @@ class Scheduler(RendezvousRequests):
 
     async def _on_heartbeat(self, req: p.Heartbeat, writer):
         node = self._current(req.node_id, req.incarnation)
-        if isinstance(node, p.Error):
+        if isinstance(node, p.Error):  # _current has marked it alive and seen now
             return node
-        if node.state is m.NodeState.UNKNOWN:
-            node.state = m.NodeState.ALIVE
-            log.info("%s reattached by heartbeat", node.node_id)
-            await self._notify()
-        node.last_seen = time.monotonic()
         self.view.heartbeat(node.node_id, req.step, node.last_seen)
         self._liveness[id(writer)] = (node.node_id, node.incarnation)
         c = self.cluster
@@ -310,7 +314,7 @@ class Scheduler(RendezvousRequests):
             return
         before = c.generation
         m.apply_failure(c, node_id, d, time.monotonic())
-        self._persist()
+        self._persist(node_id)
         log.warning("%s", d.reason)
         self.events.emit("failure_detected", node=node_id, rank=node.rank if node else -1, kind=kind.value,
                           detail=detail[-500:], generation=before, next_generation=c.generation)
@@ -346,22 +350,13 @@ class Scheduler(RendezvousRequests):
         m.apply_finish(self.cluster, req.node_id, req.stopped, req.detail)
         if self.elastic:
             self.elastic.job_over(self.cluster)
-        self._persist()
+        self._persist(req.node_id)
         self.events.emit("stopped" if req.stopped else "finished", node=req.node_id, rank=node.rank)
         await self._notify()
         return p.Ok()
 
     async def _on_status(self, req: p.Status):
         return p.StatusReply(state=self.view.status(self.cluster, time.monotonic()))
-
-    # --- agents, for the recover strategy (agents.py) -------------------------------------
-
-    async def _on_agent_sync(self, req: p.AgentSync):
-        return self.agents.sync(req, time.monotonic(), self.cluster.job.value, self.cluster.root_cause)
-
-    async def _on_agent_place(self, req: p.AgentPlace):
-        over = self._job_over()
-        return self.agents.place(req, time.monotonic(), over.message if over else "")
 
 
 def run_scheduler(cfg: ClusterConfig, *, port_fd: int | None = None, parent_pid: int | None = None) -> int:

@@ -25,10 +25,11 @@ import time
 from typing import Mapping, Sequence, TextIO
 
 from .. import signals
-from ..config import Role
+from ..config import BEAT_SOCKET_ENV, Role
 from ..control.client import report_exit
 from ..errors import ConfigError, TrainguardError
 from ..obs.events import EventLog, format_recovery, summarize_recovery
+from . import relay
 from .children import Child, signal_alive, wait_exits
 from .policy import (
     Action,
@@ -71,6 +72,10 @@ class Supervisor(Relocation):
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         base = os.environ if env is None else env
+        self.relay = relay.for_agent(base, spec.nnodes * spec.nproc_per_node, (spec.sched_host, spec.sched_port),
+                                     spec.secret, self._node_of_pid)  # this host's heartbeats as one (relay.py), or None
+        if self.relay is not None:
+            base = {**base, BEAT_SOCKET_ENV: self.relay.path}
         self._base = dict(base)
         self.children: list[Child] = []
         if spec.hosts_scheduler:
@@ -99,6 +104,9 @@ class Supervisor(Relocation):
     def workers(self) -> list[Child]:
         return [c for c in self.children if c.role is Role.WORKER]
 
+    def _node_of_pid(self, pid: int) -> str | None:
+        return next((c.node_id for c in self.workers if c.popen is not None and c.popen.pid == pid), None)
+
     @property
     def scheduler(self) -> Child | None:
         return next((c for c in self.children if c.role is Role.SCHEDULER), None)
@@ -116,6 +124,9 @@ class Supervisor(Relocation):
                       f"recovery path {spec.recovery_path}")
             if spec.log_dir is not None:
                 spec.log_dir.mkdir(parents=True, exist_ok=True)
+            if self.relay is not None:
+                self.relay.start()
+                self._say("relaying this host's heartbeats to the scheduler as one per interval (TG_HEARTBEAT_RELAY)")
             for child in self.children:  # the scheduler first
                 self._start(child)
             if self.spares is not None:  # after the workers: they need the CPU first
@@ -128,6 +139,8 @@ class Supervisor(Relocation):
         finally:
             if self.link is not None:
                 self.link.close()
+            if self.relay is not None:
+                self.relay.close()
             self._close_spares()
             self._kill(self.children)
             signals.restore(previous)
@@ -339,20 +352,6 @@ class Supervisor(Relocation):
             problem = child.kill_group(PUMP_DRAIN_S)
             if problem:
                 self._say(problem)
-
-    def _placed_worker(self, node_id: str) -> Child:
-        """recover: the child for a worker placed here from another host. It keeps its node id (so its rank) and
-        gets the lowest local rank no running worker here has (relocate.py)."""
-        taken = {w.index for w in self.workers if not w.done}
-        index = next(i for i in range(len(self.workers) + 1) if i not in taken)
-        env = worker_env(self._base, self.spec, index, node_id=node_id)
-        child = next((w for w in self.workers if w.node_id == node_id), None)
-        if child is None:
-            child = Child(Role.WORKER, index, node_id, worker_cmd(self.spec), env)
-            self.children.append(child)
-        elif not child.alive():
-            child.index, child.env = index, env
-        return child
 
     # --- reporting -------------------------------------------------------------------
 

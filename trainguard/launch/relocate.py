@@ -15,12 +15,14 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from ..config import this_host
+from ..config import Role, this_host
 from ..control import protocol as p
 from ..control.client import Connection
 from ..control.placement import PlacementPolicy
 from ..errors import ProtocolError, SchedulerUnavailable
 from ..strategies import Strategy
+from .children import Child
+from .policy import worker_cmd, worker_env
 
 log = logging.getLogger("trainguard.agent")
 
@@ -126,7 +128,7 @@ class PlacementLink:
 
 class Relocation:
     """The Supervisor's recover methods: it provides workers, spec, children, _placing, _handled, link, _say,
-    _signals, _restart, _report, _placed_worker and scheduler."""
+    _signals, _restart, _report, _base, children, workers and scheduler."""
 
     def _start_link(self) -> None:
         spec = self.spec
@@ -193,3 +195,17 @@ class Relocation:
                       "stopping")
             return True
         return False
+
+    def _placed_worker(self, node_id: str) -> Child:
+        """recover: the child for a worker placed here from another host. It keeps its node id (so its rank) and
+        gets the lowest local rank no running worker here has (relocate.py)."""
+        taken = {w.index for w in self.workers if not w.done}
+        index = next(i for i in range(len(self.workers) + 1) if i not in taken)
+        env = worker_env(self._base, self.spec, index, node_id=node_id)
+        child = next((w for w in self.workers if w.node_id == node_id), None)
+        if child is None:
+            child = Child(Role.WORKER, index, node_id, worker_cmd(self.spec), env)
+            self.children.append(child)
+        elif not child.alive():
+            child.index, child.env = index, env
+        return child

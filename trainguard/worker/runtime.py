@@ -106,7 +106,8 @@ class Runtime:
         self.node_id, self.incarnation = reply.node_id, reply.incarnation
         log.info("registered as %s (incarnation %d)", self.node_id, self.incarnation)
         self.heart = Heartbeater(self.address, self.client.identity, self.cfg.heartbeat_interval,
-                                 step_fn=lambda: self.step, on_news=self._on_news, secret=self.cfg.secret)
+                                 step_fn=lambda: self.step, on_news=self._on_news, secret=self.cfg.secret,
+                                 relay=self.cfg.beat_socket)
         self.heart.start()
 
     def form(self) -> p.Formed:

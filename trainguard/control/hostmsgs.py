@@ -1,0 +1,93 @@
+"""An agent's messages to the scheduler: placement under the `recover` strategy (placement.py,
+agents.py), and its host's heartbeats (launch/relay.py).
+
+A host beat carries the heartbeats of every worker on the agent's host that beat since the last one:
+at 10,000 workers and 8 a host, 2,500 frames a second instead of 20,000 (bench/scheduler_scale.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .msgbase import Host, Msg, NodeId
+
+MAX_HOST_BEATS = 4096  # workers in one host beat
+
+
+class AgentSync(Msg):
+    """From an agent, every few tenths of a second under `recover`: what it runs; answered with its orders."""
+
+    type: Literal["agent_sync"] = "agent_sync"
+    agent: int = Field(ge=0)  # its node rank
+    host: Host
+    slots: int = Field(ge=1)
+    running: list[NodeId] = Field(default_factory=list, max_length=4096)
+    handled: list[int] = Field(default_factory=list, max_length=4096)  # order seqs it has carried out
+
+
+class AgentPlace(Msg):
+    """From an agent whose worker died under `recover`: where does it start again?"""
+
+    type: Literal["agent_place"] = "agent_place"
+    agent: int = Field(ge=0)
+    node_id: NodeId
+    in_place_ok: bool = False
+
+
+class Beat(Msg):
+    node_id: NodeId
+    incarnation: int = Field(ge=1)
+    step: int = Field(ge=-1)
+    age_ms: int = Field(ge=0, le=3_600_000)  # how long ago the worker beat to its agent
+
+
+class HostBeat(Msg):
+    """From an agent, every heartbeat interval: the workers of its host that beat since the last one."""
+
+    type: Literal["host_beat"] = "host_beat"
+    host: Host
+    beats: list[Beat] = Field(max_length=MAX_HOST_BEATS)
+
+
+# --- replies
+
+
+class Order(Msg):
+    seq: int
+    node_id: str
+    origin: int  # the agent it died on
+
+
+class AgentOrders(Msg):
+    type: Literal["agent_orders"] = "agent_orders"
+    start: list[Order] = Field(default_factory=list)
+    job: str = "running"
+    root_cause: str = ""
+    elsewhere: int = 0  # workers running on (or placed on) the other live agents
+
+
+class Placed(Msg):
+    type: Literal["placed"] = "placed"
+    action: Literal["move", "in_place", "fail"]
+    target: int | None = None
+    reason: str = ""
+
+
+class Refused(Msg):
+    node_id: str
+    incarnation: int
+    code: str
+    message: str
+
+
+class HostBeatAck(Msg):
+    """The generation, as a heartbeat ack says it, for every worker of the host; and the beats refused
+    (a fenced or unknown incarnation), each as the worker's own heartbeat would have been refused."""
+
+    type: Literal["host_beat_ack"] = "host_beat_ack"
+    generation: int
+    formed: bool
+    job_over: bool = False
+    refused: list[Refused] = Field(default_factory=list)

@@ -1,0 +1,125 @@
+"""Simulated workers for load on a real scheduler: asyncio clients that speak the real wire protocol
+(the job-secret handshake of control/auth.py, then frames of control/protocol.py) and nothing else.
+
+Used by bench/scheduler_scale.py and tests/test_scheduler_scale.py, with `SchedulerUnderTest`, a
+real scheduler process. Frames are encoded once per
+worker and reused, so the clients spend their time on the socket, not on encoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from ..control import auth
+from ..control import protocol as p
+from ..errors import AuthenticationFailed
+
+
+class SimWorker:
+    """One simulated worker (or agent): its own connection, one request at a time."""
+
+    def __init__(self, node_id: str):
+        self.node_id = node_id
+        self.incarnation = 0
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._beat = b""
+
+    async def connect(self, host: str, port: int, secret: bytes | None) -> None:
+        self._reader, self._writer = await asyncio.open_connection(host, port)
+        head = await self._reader.readexactly(auth.HELLO_SIZE)
+        mode, nonce_s = head[len(auth.MAGIC) + 1], head[len(auth.MAGIC) + 2:]
+        if mode == 0:
+            return
+        if secret is None:
+            raise AuthenticationFailed("the scheduler requires the job secret")
+        nonce_c = os.urandom(auth.NONCE)
+        self._writer.write(nonce_c + auth.proof(secret, b"client", nonce_s, nonce_c))
+        verdict = await self._reader.readexactly(auth.VERDICT_SIZE)
+        if verdict[0] != 1 or not hmac.compare_digest(verdict[1:], auth.proof(secret, b"server", nonce_s, nonce_c)):
+            raise AuthenticationFailed("the scheduler refused the job secret")
+
+    async def request_frame(self, frame: bytes):
+        assert self._writer is not None and self._reader is not None, "connect first"
+        self._writer.write(frame)
+        header = await self._reader.readexactly(p.HEADER.size)
+        return p.decode_reply(await self._reader.readexactly(p.parse_header(header)))
+
+    async def register(self, worker_num: int, host: str = "sim") -> p.Registered | p.Error:
+        self.host = host
+        reply = await self.request_frame(p.encode(p.Register(node_id=self.node_id, host=host, pid=0,
+                                                             worker_num=worker_num)))
+        if isinstance(reply, p.Registered):
+            self.incarnation = reply.incarnation
+            self._beat = p.encode(p.Heartbeat(node_id=self.node_id, incarnation=reply.incarnation, generation=0,
+                                              step=-1))
+        return reply
+
+    async def heartbeat(self) -> p.HeartbeatAck | p.Error:
+        assert self._beat, "register first"
+        return await self.request_frame(self._beat)
+
+    async def finish(self) -> p.Ok | p.Error:
+        return await self.request_frame(p.encode(p.Finish(node_id=self.node_id, incarnation=self.incarnation,
+                                                          ok=True)))
+
+    async def host_beat(self, host: str, members: list[SimWorker]) -> p.HostBeatAck | p.Error:
+        """As an agent: one heartbeat for `members` (those registered), as launch/relay.py sends it."""
+        beats = [p.Beat(node_id=w.node_id, incarnation=w.incarnation, step=-1, age_ms=0) for w in members
+                 if w.incarnation]
+        return await self.request_frame(p.encode(p.HostBeat(host=host, beats=beats)))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class SchedulerUnderTest:
+    """A real `trainguard scheduler` process on 127.0.0.1 (port 0: the OS picks; --port-fd tells it)."""
+
+    def __init__(self, workers: int, recovery: Path | None, secret_file: Path, *, port: int = 0,
+                 log: Path | None = None, env: dict[str, str] | None = None):
+        env = {**os.environ, **(env or {}), "TG_JOB_SECRET_FILE": str(secret_file), "PYTHONUNBUFFERED": "1",
+               "TG_ENABLE_RECOVERY": "1" if recovery else "0"}
+        if recovery:
+            env["TG_RECOVERY_PATH"] = str(recovery)
+        reader, writer = os.pipe()
+        self.log = open(log, "ab") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainguard", "scheduler", "--host", "127.0.0.1", "--port", str(port),
+             "--workers", str(workers), "--port-fd", str(writer)],
+            env=env, pass_fds=(writer,), stdout=self.log, stderr=self.log)
+        os.close(writer)
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = os.read(reader, 64)
+            if not chunk:
+                raise RuntimeError(f"the scheduler exited with {self.proc.wait()} before it listened (log: {log})")
+            line += chunk
+        os.close(reader)
+        self.port = int(line)
+
+    def rss_mb(self) -> float:
+        for row in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if row.startswith("VmRSS:"):
+                return int(row.split()[1]) / 1024
+        return float("nan")
+
+    def cpu_s(self) -> float:
+        """CPU seconds the scheduler has used (user + system)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        if self.log is not subprocess.DEVNULL:
+            self.log.close()
