@@ -1,0 +1,104 @@
+"""Three hosts on a real network (tests/netns.py: network namespaces, a bridge, veth links): the scheduler
+and an agent on A, agents on B and C, one worker each, gloo over eth0. Every case ends bit-identical to
+an undisturbed run of the same job on one host.
+
+Skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from harness import assert_identical, env, events, finals, job_args, wait_for
+from netns import Hosts
+
+WHY = Hosts.unavailable()
+pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(bool(WHY), reason=WHY)]
+PORT = 29400  # each test has its own namespaces, so a fixed port cannot collide
+
+
+@pytest.fixture
+def hosts():
+    h = Hosts().up()
+    try:
+        yield h
+    finally:
+        h.down()
+
+
+@pytest.fixture
+def baseline(baseline_runs):
+    return baseline_runs(3)
+
+
+def start(hosts: Hosts, out, *, faults: str = "", job_extra: tuple = ()) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shared.secret").write_text("the secret the three hosts share\n")
+    (out / "shared.secret").chmod(0o600)
+    procs = {}
+    for rank, host in enumerate(hosts.names):
+        cmd = [sys.executable, "-m", "trainguard", "run", "--nnodes", "3", "--node-rank", str(rank), "--workers", "1",
+               "--sched-host", hosts.addr["a"], "--sched-port", str(PORT), "--max-restarts", "3", "--hot-spares", "0",
+               "--recovery-path", str(out / "recovery"), *job_args(out, extra=job_extra)]
+        procs[host] = hosts.popen(host, cmd, env(TG_FAULT=faults, TG_JOB_SECRET_FILE=str(out / "shared.secret")),
+                                  out / f"agent-{host}.log")
+    return procs
+
+
+def finish(procs: dict, out, timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    codes = {}
+    for host, proc in procs.items():
+        try:
+            codes[host] = proc.wait(max(1.0, deadline - time.monotonic()))
+        except Exception:
+            codes[host] = None
+    logs = {h: (out / f"agent-{h}.log").read_text()[-3000:] for h in procs}
+    assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n" + "\n".join(
+        f"--- {h} ---\n{log}" for h, log in logs.items())
+
+
+def check(out, expected) -> None:
+    got = finals(out, 3)
+    for rank in range(3):
+        assert_identical(got[rank], expected[rank], f"rank {rank}")
+
+
+def test_kill_9_of_the_worker_on_host_b(tmp_path, hosts, baseline):
+    finish(start(hosts, tmp_path, faults="1:6:kill"), tmp_path)
+    check(tmp_path, baseline)
+    ev = events(tmp_path)
+    assert any(e["event"] == "failure_detected" and e["node"] == "1" for e in ev)
+    assert any(e["event"] == "registered" and e["node"] == "1" and e["incarnation"] == 2 for e in ev)
+
+
+def test_partitioned_host_is_fenced_and_its_stale_worker_never_counts(tmp_path, hosts, baseline):
+    """C is cut off for longer than the heartbeat timeout (2 s here): its worker is fenced and A and B
+    regroup. When the link comes back, C's stale incarnation is refused, the worker registers anew, takes
+    the state of the generation A and B agreed on, and the job ends as if nothing had happened."""
+    procs = start(hosts, tmp_path, job_extra=("--step-sleep", "0.15"))
+    wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 90, "training to start")
+    time.sleep(0.6)  # a few steps in
+    hosts.partition("c")
+    time.sleep(4.0)
+    hosts.heal("c")
+    finish(procs, tmp_path)
+    check(tmp_path, baseline)
+    ev = events(tmp_path)
+    fenced = [e for e in ev if e["event"] == "failure_detected" and e["node"] == "2"]
+    assert fenced and fenced[0]["kind"] == "heartbeat", fenced
+    assert any(e["event"] == "registered" and e["node"] == "2" and e["incarnation"] >= 2 for e in ev)
+
+
+def test_latency_and_packet_loss(tmp_path, baseline):
+    """50 ms on every packet each host sends, and 1% of them lost (tc netem, or tests/tapswitch.py where the
+    kernel has no netem)."""
+    hosts = Hosts(delay_ms=50, loss=0.01).up()
+    try:
+        assert 0.09 < hosts.connect_time("b", "a") < 0.5  # 50 ms each way: the links are slow for real
+        finish(start(hosts, tmp_path), tmp_path, timeout=200)
+    finally:
+        hosts.down()
+    check(tmp_path, baseline)
+    assert not any(e["event"] == "failure_detected" for e in events(tmp_path))
