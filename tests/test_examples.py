@@ -49,3 +49,32 @@ def test_digits_demo_kill_is_bit_identical(tmp_path):
     assert line and "recovery 2" not in faulty.stdout, faulty.stdout[-3000:]
     assert "recovery 1" not in clean.stdout
     assert_identical(tg.load_state(tmp_path / "faulty.st"), tg.load_state(tmp_path / "clean.st"), "final state")
+
+
+def test_kubernetes_manifest_maps_to_trainguard_run():
+    """examples/k8s: no cluster runs here, so the manifest is checked as far as it can be: it parses, and it
+    says what examples/k8s/README.md says it does (and `trainguard run` accepts its flags)."""
+    import yaml
+
+    from trainguard.launch.cli import build_parser
+
+    service, job = yaml.safe_load_all((REPO / "examples" / "k8s" / "trainguard-job.yaml").read_text())
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 3
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    (container,) = pod["containers"]
+    line = container["args"][0].split()
+    assert line[:3] == ["exec", "trainguard", "run"]
+    flags = dict(zip(line[3::2], line[4::2]))
+    assert flags["--nnodes"] == "3" and flags["--node-rank"] == '"$JOB_COMPLETION_INDEX"'
+    assert flags["--sched-host"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert pod["terminationGracePeriodSeconds"] > float(flags["--grace-period"])
+    assert {"name": "TG_JOB_SECRET_FILE", "value": "/etc/trainguard/job.secret"} in container["env"]
+    assert "TG_JOB_SECRET" not in container["args"][0]
+    rules = spec["podFailurePolicy"]["rules"]
+    assert any(r["action"] == "FailJob" and r["onExitCodes"]["values"] == [78] for r in rules)
+    args = [a.strip('"').replace("$JOB_COMPLETION_INDEX", "1") for a in line[3:]]
+    parsed = build_parser().parse_args(["run", *args])  # the flags are trainguard run's
+    assert parsed.nnodes == 3 and parsed.node_rank == 1

@@ -24,6 +24,7 @@ No torch here: the child is the control plane's own process.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..config import ClusterConfig, this_host
 from ..errors import ConfigError
@@ -49,6 +50,7 @@ POLL_S = 0.1  # how often rank 0, waiting for the port, checks the child is stil
 PARENT_POLL_S = 0.5  # how often the child checks its parent is alive where prctl is not available
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL when rank 0 stops a scheduler that outlived the wait
 PR_SET_PDEATHSIG = 1
+DRAIN_EXTRA_S = 5.0  # after a stop signal: the grace period and this long for the workers' goodbyes
 
 
 # --- the decision (pure) ---------------------------------------------------------------
@@ -256,6 +258,36 @@ def die_with_parent(parent_pid: int) -> None:
     if not armed:
         threading.Thread(target=_watch_parent, args=(parent_pid,), name="trainguard-parent-watch",
                          daemon=True).start()
+
+
+def drain_on_signals(done: asyncio.Event, job_over: Callable[[], bool], grace: float) -> None:
+    """SIGTERM or SIGINT does not end the scheduler at once: it serves on until the job is over (the workers'
+    goodbyes after their dying gasp) or the grace period and DRAIN_EXTRA_S have passed, then sets `done`;
+    at once if the process that started it has died.
+    Slurm signals every process of a step at once, this one with the workers; dying first, it would leave
+    them no one to agree on their stop step with. Main thread only (a scheduler in a test's thread has none)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task] = []
+    parent = os.getppid()  # if it is gone (die_with_parent's SIGTERM), no one is left to wait for
+
+    async def drain() -> None:
+        deadline = time.monotonic() + grace + DRAIN_EXTRA_S
+        while not job_over() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        done.set()
+
+    def on_signal(signum: int) -> None:
+        if os.getppid() != parent:
+            done.set()
+        elif not draining:
+            log.warning("received %s: serving the workers until they leave (at most %g s)", signal_name(signum),
+                        grace + DRAIN_EXTRA_S)
+            draining.append(loop.create_task(drain()))
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -30,7 +30,7 @@ from .kvstore import KVStore
 from .metrics import MetricsServer
 from .placement import PlacementPolicy
 from .rendezvous import RendezvousRequests
-from .sched_child import die_with_parent, kill_if_local, publish_port
+from .sched_child import die_with_parent, drain_on_signals, kill_if_local, publish_port
 from .status import JobView
 
 log = logging.getLogger("trainguard.scheduler")
@@ -97,6 +97,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
     async def serve(self) -> int:
         self._changed = asyncio.Condition()
         self._done = asyncio.Event()
+        drain_on_signals(self._done, lambda: self.cluster.job is not m.JobState.RUNNING, self.cfg.grace_period)
         if auth.listen_policy(self.cfg.sched_host, self.cfg.secret, self.cfg.insecure):  # raises if refused
             log.warning("no job secret: every local user can reach this scheduler on %s (set TG_JOB_SECRET_FILE "
                         "to authenticate; `trainguard run` does it for you)", self.cfg.sched_host)
@@ -137,14 +138,15 @@ class Scheduler(RendezvousRequests, AgentRequests):
         self.events.emit("job_end", state=job.value, root_cause=self.cluster.root_cause)
         if job is m.JobState.FAILED:
             print(f"trainguard: job failed: {self.cluster.root_cause}", file=sys.stderr, flush=True)
-        elif job is m.JobState.STOPPED:
-            log.info("the job stopped (%s); run it again to resume", self.cluster.root_cause)
+        elif job is not m.JobState.DONE:  # stopped, or still running after a stop signal (sched_child.py)
+            log.info("the job stopped (%s); run it again to resume", self.cluster.root_cause or "a signal")
         else:
             log.info("all %d workers finished; scheduler exits", self.cluster.worker_num)
         if self.db:
             self.commits.flush()
             self.db.close()
-        return {m.JobState.DONE: 0, m.JobState.STOPPED: EXIT_PREEMPTED}.get(job, EXIT_JOB_FAILED)
+        return {m.JobState.DONE: 0, m.JobState.STOPPED: EXIT_PREEMPTED, m.JobState.RUNNING: EXIT_PREEMPTED}.get(
+            job, EXIT_JOB_FAILED)
 
     async def _linger(self) -> None:
         """A failed job: keep answering (status, finish) until the live workers have left, at most

@@ -17,7 +17,9 @@ learns it at the same committed step s, whichever rank got the signal. Then ever
 A save still running at the deadline is abandoned and the process leaves with os._exit: the
 checkpoint format writes the manifest last and renames the folder into place, so a cut save
 never looks complete, and the next run resumes from the newest complete one. A second signal
-gives up at once (the signal's default action).
+gives up at once (the signal's default action), unless it comes within ECHO_WINDOW_S of the first:
+a signal sent to every process of the job (Slurm's scancel, a kill of the process group) reaches a
+worker twice, once itself and once forwarded by the agent.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from .dump import DumpResult, dump_targets, write_dying_gasp
 log = logging.getLogger("trainguard.graceful")
 
 MARGIN_FRACTION, MARGIN_MAX_S = 0.2, 1.0  # of the grace period, kept for leaving after the save
-GOODBYE_PATIENCE_S = 2.0  # how long a leaving worker waits for the scheduler
+GOODBYE_PATIENCE_S = 2.0
+ECHO_WINDOW_S = 1.0  # a second signal this soon after the first is the same stop arriving twice  # how long a leaving worker waits for the scheduler
 
 
 class StopRequest:
@@ -63,6 +66,8 @@ class StopRequest:
         self._previous = {}
 
     def _on_signal(self, signum: int, _frame) -> None:
+        if self.signum and time.monotonic() - self.at < ECHO_WINDOW_S:
+            return  # the same stop twice: Slurm signals every process of a step, and the agent forwards it too
         if self.signum:  # a second signal: no more patience
             self._disarm()
             signal.signal(signum, signal.SIG_DFL)
