@@ -1,6 +1,7 @@
 """Heartbeats relayed by the agent (launch/relay.py, TG_HEARTBEAT_RELAY=on): real `trainguard run` jobs
-recover from kill -9 and SIGSTOP bit-identically, the scheduler with the kill -9 of it, and the relay
-serves nobody but the agent's own workers."""
+recover bit-identically from a SIGSTOP (which only the relayed heartbeats can reveal) and from kill -9 of
+the scheduler, and the relay serves nobody but the agent's own workers. (A worker's kill -9 is seen by the
+agent's waitpid, relay or not; bench/scheduler_scale.py measures the relay at 10,000 workers.)"""
 
 from __future__ import annotations
 
@@ -37,13 +38,6 @@ def test_relay_setting_is_checked():
         relay_wanted("sometimes", 8)
 
 
-@pytest.mark.parametrize("workers", [4])
-def test_kill_9_with_relayed_heartbeats_is_bit_identical(tmp_path, baseline, workers):
-    proc = launch(tmp_path, workers, faults="1:10:kill", extra_env=RELAY)
-    check(tmp_path, workers, baseline(workers), proc)
-    assert any(e["event"] == "failure_detected" and e["node"] == "1" for e in events(tmp_path))
-
-
 def test_a_stopped_worker_is_fenced_through_the_relay(tmp_path, baseline):
     """SIGSTOP: the worker stops beating to its agent; the relay stops vouching for it, and the scheduler's
     heartbeat timeout fences it (nothing else would: its process and sockets stay)."""
@@ -67,10 +61,10 @@ def test_the_relay_serves_only_its_own_workers(tmp_path):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5)
             s.connect(relay.path)
-            s.sendall(p.encode(p.Heartbeat(node_id="0", incarnation=1, generation=0, step=-1)))
             try:
+                s.sendall(p.encode(p.Heartbeat(node_id="0", incarnation=1, generation=0, step=-1)))
                 got = s.recv(100)
-            except ConnectionResetError:  # closed with the beat unread
+            except (BrokenPipeError, ConnectionResetError):  # closed before the beat was sent, or with it unread
                 got = b""
             assert got == b"", got  # closed without an answer
     finally:

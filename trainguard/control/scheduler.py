@@ -77,7 +77,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
         self.elastic = (ElasticScheduling(strategy.elastic_deadline, self.cluster, time.monotonic())
                         if cfg.enable_recovery and strategy.elastic else None)
         self.elastic_deadline = self.elastic.deadline if self.elastic else None
-        self.commits = GroupCommit(lambda touched: self.db.save(self.cluster, touched))  # one fsync per pass of the loop
+        self.commits = GroupCommit(lambda touched: self.db.save(self.cluster, touched))  # one fsync a loop pass
         self.kv = KVStore()
         self.agents = AgentBoard(PlacementPolicy.from_env(os.environ), self.events)
         self._agreements: dict[tuple[int, str], dict[int, dict]] = {}

@@ -121,7 +121,8 @@ class BeatRelay:
             while True:
                 beat = p.decode_request(p.read_frame(sock))
                 if not isinstance(beat, p.Heartbeat) or beat.node_id != node_id:
-                    raise ProtocolError(f"worker {node_id} sent the heartbeat relay a {beat.type} for {getattr(beat, 'node_id', '?')}")
+                    raise ProtocolError(f"worker {node_id} sent the heartbeat relay a {beat.type} for "
+                                        f"{getattr(beat, 'node_id', '?')}")
                 sock.sendall(p.encode(self._beat(beat)))
         except (OSError, ConnectionError, ProtocolError) as exc:
             log.debug("heartbeat relay: worker %s: %s", node_id, exc)
