@@ -15,8 +15,8 @@ ClusterName=trainguard-ci
 SlurmctldHost=$HOST
 SlurmUser=root
 AuthType=auth/munge
-# a job step's credential lives 10 s (default 120): Slurm holds a requeued job until the old one expires
-AuthInfo=cred_expire=10
+# a job step's credential lives 5 s (default 120): Slurm holds a requeued job until the old one expires
+AuthInfo=cred_expire=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres

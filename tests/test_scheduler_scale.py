@@ -121,3 +121,28 @@ def test_kill_9_mid_storm_loses_no_acknowledged_registration(tmp_path):
         db.close()
     missing = sorted(set(acked) - set(saved))
     assert not missing, f"acknowledged but not in cluster.db: {missing}"
+
+
+def test_a_failed_save_is_not_acknowledged_and_is_retried_in_full():
+    """A full disk: whatever waits on that save gets its error (no reply leaves), and the next save, even with
+    nothing new changed (the job's end), writes again comparing every row."""
+    from trainguard.control.commit import GroupCommit
+
+    calls: list[set[str] | None] = []
+
+    def save(touched):
+        calls.append(touched)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+
+    async def main() -> None:
+        commits = GroupCommit(save)
+        commits.changed(["3"])
+        with pytest.raises(OSError, match="No space left"):
+            await commits.durable()
+        commits.flush()  # nothing new changed; the failed save is retried
+        assert calls == [{"3"}, None] and commits.commits == 1
+        commits.flush()
+        assert len(calls) == 2  # nothing to do now
+
+    asyncio.run(main())

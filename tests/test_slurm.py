@@ -47,7 +47,7 @@ def job_state(job_id: str) -> dict[str, str]:
 def test_scancel_term_then_requeue_resumes_bit_identical(tmp_path, baseline):
     out = tmp_path
     script, *args = job_args(out, extra=("--ckpt", str(out / "ckpt"), "--save-steps", "4", "--dying-gasp",
-                                         "callback", "--step-sleep", "0.15"))
+                                         "callback", "--step-sleep", "0.05"))
     e = env(RECOVERY=str(out / "recovery"), WORKERS_PER_NODE="2", GRACE="10",
             PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     submit = subprocess.run(["sbatch", "--parsable", "--nodes=1", f"--chdir={out}", f"--output={out}/slurm-%j.out",
@@ -60,7 +60,7 @@ def test_scancel_term_then_requeue_resumes_bit_identical(tmp_path, baseline):
         wait_for(lambda: any(c.step >= 4 for c in list_checkpoints(out / "ckpt", "job")), 120,
                  "training under Slurm to save a checkpoint")
         subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=20)  # to the job's steps
-        # Slurm holds a requeued job until its old credential expires (scripts/slurm-up.sh: cred_expire=10)
+        # Slurm holds a requeued job until its old credential expires (scripts/slurm-up.sh: cred_expire=5)
         wait_for(lambda: job_state(job_id).get("JobState") == "COMPLETED", 150, "the requeued job to complete",
                  period=0.5)
     finally:

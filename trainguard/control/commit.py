@@ -27,6 +27,7 @@ class GroupCommit:
         self._save = save
         self._pending: asyncio.Future | None = None
         self._touched: set[str] | None = set()
+        self._failed = False  # the last save failed: the next flush saves, whatever changed since
         self.commits = 0  # saves that ran
 
     def changed(self, node_ids: Iterable[str] | None = None) -> None:
@@ -43,20 +44,23 @@ class GroupCommit:
             loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Save now if anything changed; idempotent (the job's end calls it before closing the file)."""
+        """Save now if anything changed, or a save failed; idempotent (the job's end calls it before closing)."""
         pending, self._pending = self._pending, None
-        touched, self._touched = self._touched, set()
-        if pending is None:
+        if pending is None and not self._failed:
             return
+        touched, self._touched = self._touched, set()
         try:
             self._save(touched)
         except Exception as exc:  # a full disk, an I/O error: what waits on it must not be acknowledged
             log.error("cannot save the cluster state: %r; the replies that depend on it are not sent", exc)
-            self._touched = None  # the next save compares every row
-            pending.set_exception(exc)
+            self._touched, self._failed = None, True  # the next save compares every row
+            if pending is not None:
+                pending.set_exception(exc)
             return
+        self._failed = False
         self.commits += 1
-        pending.set_result(None)
+        if pending is not None:
+            pending.set_result(None)
 
     async def durable(self) -> None:
         """Return once every change made so far is saved; raises the save's error if it failed."""

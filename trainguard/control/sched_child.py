@@ -261,8 +261,9 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def drain_on_signals(done: asyncio.Event, job_over: Callable[[], bool], grace: float) -> None:
-    """SIGTERM or SIGINT does not end the scheduler at once: it serves on until the job is over (the workers'
-    goodbyes after their dying gasp) or the grace period and DRAIN_EXTRA_S have passed, then sets `done`;
+    """SIGTERM or SIGINT does not end the scheduler at once: it serves on until `job_over()` (the workers'
+    goodbyes after their dying gasp, or no worker left alive) or the grace period and DRAIN_EXTRA_S have
+    passed, then sets `done`;
     at once if the process that started it has died.
     Slurm signals every process of a step at once, this one with the workers; dying first, it would leave
     them no one to agree on their stop step with. Main thread only (a scheduler in a test's thread has none)."""

@@ -97,7 +97,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
     async def serve(self) -> int:
         self._changed = asyncio.Condition()
         self._done = asyncio.Event()
-        drain_on_signals(self._done, lambda: self.cluster.job is not m.JobState.RUNNING, self.cfg.grace_period)
+        drain_on_signals(self._done, self._nobody_left, self.cfg.grace_period)
         if auth.listen_policy(self.cfg.sched_host, self.cfg.secret, self.cfg.insecure):  # raises if refused
             log.warning("no job secret: every local user can reach this scheduler on %s (set TG_JOB_SECRET_FILE "
                         "to authenticate; `trainguard run` does it for you)", self.cfg.sched_host)
@@ -148,6 +148,11 @@ class Scheduler(RendezvousRequests, AgentRequests):
         return {m.JobState.DONE: 0, m.JobState.STOPPED: EXIT_PREEMPTED, m.JobState.RUNNING: EXIT_PREEMPTED}.get(
             job, EXIT_JOB_FAILED)
 
+    def _nobody_left(self) -> bool:
+        """The job is over or no worker is alive: after a stop signal, no one is left to serve."""
+        return self.cluster.job is not m.JobState.RUNNING or not any(
+            n.state in (m.NodeState.ALIVE, m.NodeState.UNKNOWN) for n in self.cluster.nodes.values())
+
     async def _linger(self) -> None:
         """A failed job: keep answering (status, finish) until the live workers have left, at most
         LINGER_MAX_S, so survivors can learn who died (dump) and say goodbye."""
@@ -172,15 +177,14 @@ class Scheduler(RendezvousRequests, AgentRequests):
             return True
 
     def _persist(self, *node_ids: str) -> None:
-        """Save the cluster at the end of this pass of the loop: the meta row, and the rows of `node_ids`
-        (none named: every row)."""
+        """Save the cluster at the end of this loop pass: the meta row, the rows of `node_ids` (none: all)."""
         if self.db:
             self.commits.changed(node_ids or None)
         if self.cluster.job is not m.JobState.RUNNING:
             self._done.set()
 
     async def _monitor(self) -> None:
-        # an O(N) scan: every 0.1 s for small jobs, up to every 0.5 s at 10,000 (within the 1 s allowed)
+        # an O(N) scan: every 0.1 s up to 2,000 workers, then less often, at most every half heartbeat interval
         period = min(max(0.1, self.cluster.worker_num / 20_000), self.cfg.heartbeat_interval / 2)
         while True:
             await asyncio.sleep(period)
@@ -299,8 +303,8 @@ class Scheduler(RendezvousRequests, AgentRequests):
 
     async def _on_heartbeat(self, req: p.Heartbeat, writer):
         node = self._current(req.node_id, req.incarnation)
-        if isinstance(node, p.Error):  # _current has marked it alive and seen now
-            return node
+        if isinstance(node, p.Error):
+            return node  # else _current has marked it alive, seen now
         self.view.heartbeat(node.node_id, req.step, node.last_seen)
         self._liveness[id(writer)] = (node.node_id, node.incarnation)
         c = self.cluster
