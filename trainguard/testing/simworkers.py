@@ -52,7 +52,6 @@ class SimWorker:
         return p.decode_reply(await self._reader.readexactly(p.parse_header(header)))
 
     async def register(self, worker_num: int, host: str = "sim") -> p.Registered | p.Error:
-        self.host = host
         reply = await self.request_frame(p.encode(p.Register(node_id=self.node_id, host=host, pid=0,
                                                              worker_num=worker_num)))
         if isinstance(reply, p.Registered):
