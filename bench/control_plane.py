@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainguard.config import ClusterConfig, LaunchMode, Role  # noqa: E402
 from trainguard.control import protocol as p  # noqa: E402
 from trainguard.control.client import Connection  # noqa: E402
-from trainguard.control.scheduler import start_in_thread  # noqa: E402
+from trainguard.control.sched_main import start_in_thread  # noqa: E402
 
 SECRET = b"a secret for the benchmark, 32 chars+"
 

@@ -87,6 +87,13 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def deaths(ev: list[dict]) -> list[tuple[str, str]]:
+    """(node, kind) of every worker the scheduler took for failed. A ``collective`` report is left out: it names
+    the survivor that saw a collective fail (it stays alive, only the generation ends), and whether a survivor's
+    report or the agent's word on the dead one reaches the scheduler first is a race over the network."""
+    return [(e["node"], e["kind"]) for e in ev if e["event"] == "failure_detected" and e.get("kind") != "collective"]
+
+
 def wait_for(predicate, timeout: float, what: str, period: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

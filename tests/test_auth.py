@@ -22,7 +22,7 @@ from trainguard.config import ClusterConfig, LaunchMode, Role, read_secret
 from trainguard.control import auth
 from trainguard.control import protocol as p
 from trainguard.control.client import Connection, query_status
-from trainguard.control.scheduler import start_in_thread
+from trainguard.control.sched_main import start_in_thread
 from trainguard.errors import AuthenticationFailed, ConfigError, ProtocolError
 
 pytestmark = pytest.mark.timeout(180)
@@ -137,6 +137,26 @@ def test_wrong_or_missing_secret_is_refused_with_the_fix_and_a_downgrade_too():
         Connection(open_address, 5, secret=SECRET)  # a stranger posing as the scheduler is not trusted
     assert query_status(address, secret=SECRET)["worker_num"] == 2
     assert query_status(open_address)["worker_num"] == 2  # no secret on either side: loopback only
+
+
+def test_a_worker_holds_a_secret_of_its_own_and_cannot_speak_as_an_agent():
+    """`trainguard run` gives its workers auth.worker_secret(job secret): it admits a worker's requests, but the
+    agent's (placement, host beats, exit reports) only come from a holder of the job secret itself."""
+    address = scheduler(SECRET)
+    worker = auth.worker_secret(SECRET)
+    assert worker != SECRET and len(worker) == 64 and SECRET not in worker
+    as_worker, as_agent = Connection(address, 5, secret=worker), Connection(address, 5, secret=SECRET)
+    try:
+        assert isinstance(as_worker.request(p.Status()), p.StatusReply)  # a worker's request: served
+        for msg in (p.AgentSync(agent=0, host="h", slots=1, running=["0"], handled=[]),
+                    p.AgentPlace(agent=0, node_id="0"), p.HostBeat(host="h", beats=[]),
+                    p.ProcessExited(node_id="0", pid=1, exit_code=1, detail="forged")):
+            reply = as_worker.request(msg)
+            assert isinstance(reply, p.Error) and "only an agent may send it" in reply.message, (msg.type, reply)
+            assert "only an agent" not in getattr(as_agent.request(msg), "message", ""), msg.type  # the agent: served
+    finally:
+        as_worker.close()
+        as_agent.close()
 
 
 def test_a_silent_client_is_dropped_after_the_handshake_timeout(monkeypatch):

@@ -26,7 +26,7 @@ from trainguard.control.placement import (
     choose_host,
     excluded_until,
 )
-from trainguard.control.scheduler import start_in_thread
+from trainguard.control.sched_main import start_in_thread
 from trainguard.errors import ConfigError
 from trainguard.launch import cli
 from trainguard.launch.agent import Supervisor

@@ -32,7 +32,7 @@ from trainguard.config import this_host
 from trainguard.control import auth
 from trainguard.control import protocol as p
 from trainguard.control.client import query_status
-from trainguard.control.scheduler import MAX_CONNECTIONS_BASE
+from trainguard.control.scheduler import MAX_CONNECTIONS_BASE, PENDING_PER_PEER_BASE
 
 TYPES = ["register", "reattach", "heartbeat", "join", "report_failure", "agree", "finish", "process_exited",
          "status", "store", "agent_sync", "agent_place", "bogus"]
@@ -179,6 +179,34 @@ def test_a_flood_of_connections_is_turned_away_and_members_still_get_in(tmp_path
             s.close()
     time.sleep(0.3)
     assert query_status(address)["worker_num"] == 2 and thread.is_alive()
+
+
+def test_one_address_flooding_the_handshake_cannot_take_the_members_places(tmp_path):
+    """A stranger on another address (127.0.0.2) opens connections and never answers the challenge: beyond
+    its share (PENDING_PER_PEER_BASE + 1 per worker) they are closed at once, and while its flood is held
+    open a member still connects and is served."""
+    secret = b"the secret of the flood test, long enough"
+    sched, thread, address = in_thread(tmp_path, secret=secret)
+    share = PENDING_PER_PEER_BASE + 2
+    assert share < sched.max_connections - 2 * 2
+    flood = []
+    try:
+        for _ in range(share + 20):
+            flood.append(socket.create_connection(address, timeout=WAIT_S, source_address=("127.0.0.2", 0)))
+        time.sleep(0.5)
+        closed = 0
+        for s in flood:
+            s.settimeout(0.5)
+            try:
+                closed += s.recv(auth.HELLO_SIZE, socket.MSG_WAITALL) == b""  # no challenge: closed at once
+            except (TimeoutError, ConnectionError):
+                pass
+        assert closed == 20, closed
+        assert query_status(address, timeout=2, secret=secret)["worker_num"] == 2  # the flood still held
+    finally:
+        for s in flood:
+            s.close()
+    assert thread.is_alive()
 
 
 def wait_dead(address, node_id: str, limit: float = 10.0) -> None:

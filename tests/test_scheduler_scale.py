@@ -13,7 +13,7 @@ from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.control import membership as m
 from trainguard.control import protocol as p
 from trainguard.control.db import ClusterDB
-from trainguard.control.scheduler import start_in_thread
+from trainguard.control.sched_main import start_in_thread
 from trainguard.testing.simworkers import SchedulerUnderTest, SimWorker
 
 SECRET = b"a secret for the scale tests, 32+ chars"

@@ -25,7 +25,7 @@ from trainguard.control import auth
 from trainguard.control import protocol as p
 from trainguard.control.client import Heartbeater, SchedulerClient, query_status
 from trainguard.control.membership import JobState, NodeState
-from trainguard.control.scheduler import start_in_thread
+from trainguard.control.sched_main import start_in_thread
 from trainguard.errors import ConfigError, ProtocolError, RegistrationRejected
 
 REPO = Path(__file__).resolve().parents[1]

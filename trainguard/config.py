@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from . import tlsconfig
 from .errors import ConfigError
 from .strategies import (
     DEFAULT_ELASTIC_DEADLINE_S,
@@ -119,6 +120,7 @@ class ClusterConfig:
     metrics_port: int | None = None  # TG_METRICS_PORT: Prometheus metrics from the scheduler (control/metrics.py)
     metrics_host: str | None = None  # TG_METRICS_HOST, else sched_host
     beat_socket: str | None = None  # TG_BEAT_SOCKET: heartbeats go to this host's agent (launch/relay.py)
+    tls: tlsconfig.TLSConfig | None = None  # TG_ENABLE_SSL + TG_SSL_CONFIG (tlsconfig.py, control/tls.py)
 
     def __post_init__(self) -> None:
         if self.worker_num < 1:
@@ -258,6 +260,7 @@ def _common(env: Mapping[str, str]) -> dict:
         metrics_port=parse_int(METRICS_PORT_ENV, metrics, lo=1, hi=65535) if metrics else None,
         metrics_host=env.get(METRICS_HOST_ENV, "").strip() or None,
         beat_socket=env.get(BEAT_SOCKET_ENV) or None,
+        tls=tlsconfig.read(env),
     )
 
 

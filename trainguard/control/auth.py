@@ -6,6 +6,9 @@ Every connection starts with it, before any frame. The scheduler speaks first:
     client -> scheduler   nonce_c (32 random bytes) | HMAC-SHA256(secret, b"TG-client" nonce_s nonce_c)
     scheduler -> client   ok (1 byte: 1 or 0) | HMAC-SHA256(secret, b"TG-server" nonce_s nonce_c)
 
+With TLS (control/tls.py) the scheduler first sends the same header with mode 2 ("TLS follows") and
+32 zero bytes; both sides then run the TLS handshake and the exchange above runs inside it.
+
 Both sides prove they know the secret without sending it, and fresh nonces on both sides make a
 recorded handshake worthless. The client checks the scheduler's proof too, so an agent obeys
 placement orders, and a worker its rank, only from the real scheduler. A client that holds a
@@ -24,15 +27,26 @@ import hmac
 import ipaddress
 import os
 import socket
+import ssl
+from dataclasses import dataclass
 
-from ..errors import AuthenticationFailed, ConfigError, SchedulerUnavailable
+from ..errors import (
+    AuthenticationFailed,
+    ConfigError,
+    SchedulerUnavailable,
+    TrainguardError,
+)
+from .tlsstream import TLSStream
 
 MAGIC = b"TGA"
 VERSION = 1
 NONCE = 32
+OPEN, SECRET, TLS_FOLLOWS = 0, 1, 2  # the greeting's mode
 HELLO_SIZE = len(MAGIC) + 2 + NONCE
+TLS_GREETING = MAGIC + bytes([VERSION, TLS_FOLLOWS]) + bytes(NONCE)
 ANSWER_SIZE = NONCE + 32
 VERDICT_SIZE = 1 + 32
+AGENT_ONLY = frozenset({"agent_sync", "agent_place", "host_beat", "process_exited"})  # requests a worker may not send
 TIMEOUT_S = 5.0  # a client that has not answered the challenge by then is dropped
 HINT = ("give every process of the job the same secret: TG_JOB_SECRET_FILE=path (or TG_JOB_SECRET); "
         "`trainguard run` writes its own to <recovery path>/job.secret")
@@ -56,30 +70,94 @@ def check_answer(secret: bytes, nonce_s: bytes, answer: bytes) -> bytes:
     return b"\x00" + bytes(32)
 
 
-async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes | None) -> str:
-    """The scheduler's side on a new connection: "" if the peer may send frames, else why it may not."""
+def worker_secret(secret: bytes) -> bytes:
+    """The secret `trainguard run` gives its workers instead of the job secret: derived from it (so the scheduler
+    knows it) by a one-way function (so a worker, which runs the user's script, cannot learn the job secret).
+    It admits a worker's requests but not an agent's (AGENT_ONLY): no worker can speak as an agent."""
+    return hmac.new(secret, b"TG-worker-secret", hashlib.sha256).hexdigest().encode()
+
+
+@dataclass(slots=True)
+class Admission:
+    refused: str  # "" if the peer may send frames, else why it may not
+    reader: object  # what to read frames from and write replies to from now on (with TLS: a TLSStream)
+    writer: object
+    agent: bool = False  # holds the job secret itself (an agent, the job's own tools), or there is none
+
+
+async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes | None,
+                 tls_context: ssl.SSLContext | None = None) -> Admission:
+    """The scheduler's side on a new connection."""
+    if tls_context is not None:
+        writer.write(TLS_GREETING)
+        stream = TLSStream(reader, writer, tls_context)
+        try:
+            await stream.handshake(TIMEOUT_S)
+        except (ssl.SSLError, TimeoutError, asyncio.TimeoutError, ConnectionError, EOFError, OSError) as exc:
+            from .tls import refusal  # the words for it; tls.py loads cryptography only to build contexts
+
+            return Admission(f"TLS: {refusal(exc)}", reader, writer)
+        reader, writer = stream, stream
     greeting, nonce_s = hello(secret)
     writer.write(greeting)
     await writer.drain()
     if secret is None:
-        return ""
+        return Admission("", reader, writer, agent=True)
     try:
         answer = await asyncio.wait_for(reader.readexactly(ANSWER_SIZE), TIMEOUT_S)
-    except (asyncio.TimeoutError, asyncio.IncompleteReadError):
-        return "no answer to the job-secret challenge"
-    verdict = check_answer(secret, nonce_s, answer)
+    except (asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
+        return Admission("no answer to the job-secret challenge", reader, writer)
+    verdict, agent = check_answer(secret, nonce_s, answer), True
+    if verdict[0] != 1:
+        verdict, agent = check_answer(worker_secret(secret), nonce_s, answer), False
     writer.write(verdict)
     await writer.drain()
-    return "" if verdict[0] == 1 else "it does not hold the job secret"
+    return Admission("" if verdict[0] == 1 else "it does not hold the job secret", reader, writer, agent=agent)
 
 
-def client_handshake(sock: socket.socket, secret: bytes | None, where: str) -> None:
-    """Run the client's side on a fresh connection; AuthenticationFailed says what is wrong and how to fix it."""
+def client_handshake(sock: socket.socket, secret: bytes | None, where: str,
+                     tls_context: ssl.SSLContext | None = None) -> socket.socket:
+    """Run the client's side on a fresh connection; the socket to use from now on (TLS-wrapped if the job
+    uses TLS). AuthenticationFailed says what is wrong and how to fix it."""
+    mode, nonce_s = _greeting(sock, where)
+    if mode == TLS_FOLLOWS:
+        if tls_context is None:
+            raise AuthenticationFailed(f"{where} requires TLS and this process has no TLS settings: set "
+                                       "TG_ENABLE_SSL=1 and TG_SSL_CONFIG as for the scheduler")
+        from .tls import client_failure
+
+        plain, sock = sock, None
+        try:
+            sock = tls_context.wrap_socket(plain)
+            mode, nonce_s = _greeting(sock, where)  # the first read shows a refusal of our certificate (TLS 1.3)
+            if mode == TLS_FOLLOWS:
+                raise AuthenticationFailed(f"{where} asked for TLS twice: not a trainguard scheduler")
+            _prove(sock, secret, mode, nonce_s, where)
+            return sock
+        except (ssl.SSLError, OSError, TrainguardError) as exc:
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, TrainguardError):
+                raise
+            if isinstance(exc, ssl.SSLError):
+                raise client_failure(exc, where) from None
+            raise SchedulerUnavailable(f"{where}: the TLS handshake failed: {exc}") from None
+    elif tls_context is not None:
+        raise AuthenticationFailed(f"{where} does not offer TLS but this process is set up for it (TG_ENABLE_SSL): "
+                                   "refusing to talk in the clear; set TLS up the same on every process")
+    _prove(sock, secret, mode, nonce_s, where)
+    return sock
+
+
+def _greeting(sock: socket.socket, where: str) -> tuple[int, bytes]:
     head = _recv(sock, HELLO_SIZE, where)
     if head[:len(MAGIC)] != MAGIC or head[len(MAGIC)] != VERSION:
         raise AuthenticationFailed(f"{where} did not greet as a trainguard scheduler of this version")
-    mode, nonce_s = head[len(MAGIC) + 1], head[len(MAGIC) + 2:]
-    if mode == 0:
+    return head[len(MAGIC) + 1], head[len(MAGIC) + 2:]
+
+
+def _prove(sock: socket.socket, secret: bytes | None, mode: int, nonce_s: bytes, where: str) -> None:
+    if mode == OPEN:
         if secret is not None:
             raise AuthenticationFailed(f"{where} asks for no job secret but this process has one: refusing it "
                                        f"(a stranger posing as the scheduler?); {HINT}")
@@ -104,6 +182,8 @@ def _recv(sock: socket.socket, n: int, where: str) -> bytes:
             if not chunk:
                 break
             data += chunk
+    except ssl.SSLError:  # the caller knows whether TLS was asked for and says what it means
+        raise
     except OSError as exc:  # a fault (it may be restarting), not a refusal: the caller may retry
         raise SchedulerUnavailable(f"{where}: the handshake failed: {exc}") from None
     if len(data) < n:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from ..errors import (
     SchedulerUnavailable,
     TrainguardError,
 )
-from . import auth
+from . import auth, tls
 from . import protocol as p
 
 log = logging.getLogger("trainguard.client")
@@ -32,18 +33,24 @@ Address = tuple[str, int]
 BACKOFF_START_S, BACKOFF_MAX_S = 0.05, 1.0
 
 
-class Connection:
-    """One socket, one request at a time."""
+FROM_ENV = "env"  # a Connection's TLS context: this process's settings (TG_ENABLE_SSL, TG_SSL_CONFIG)
 
-    def __init__(self, address: Address, timeout: float, secret: bytes | None = None):
+
+class Connection:
+    """One socket, one request at a time. TLS as this process's environment says (control/tls.py), unless
+    a context (or None: no TLS) is given."""
+
+    def __init__(self, address: Address, timeout: float, secret: bytes | None = None,
+                 tls_context: ssl.SSLContext | None | str = FROM_ENV):
         self.address = address
+        ctx = tls.client_context_from() if tls_context == FROM_ENV else tls_context
         try:
             self.sock = socket.create_connection(address, timeout=timeout)
         except OSError as exc:
             raise SchedulerUnavailable(f"cannot reach the scheduler at {address[0]}:{address[1]}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:  # the job-secret handshake, under the connect timeout
-            auth.client_handshake(self.sock, secret, f"the scheduler at {address[0]}:{address[1]}")
+        try:  # TLS if asked for, and the job-secret handshake, under the connect timeout
+            self.sock = auth.client_handshake(self.sock, secret, f"the scheduler at {address[0]}:{address[1]}", ctx)
         except TrainguardError:
             self.close()
             raise

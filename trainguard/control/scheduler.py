@@ -13,12 +13,13 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 
 from ..config import ClusterConfig, check_recovery_path
 from ..errors import ClusterStateError, ConfigError, ProtocolError
-from ..exitcodes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_PREEMPTED
+from ..exitcodes import EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..obs.events import EventLog
-from . import auth
+from . import auth, tls
 from . import membership as m
 from . import protocol as p
 from .agentreqs import AgentRequests
@@ -30,14 +31,14 @@ from .kvstore import KVStore
 from .metrics import MetricsServer
 from .placement import PlacementPolicy
 from .rendezvous import RendezvousRequests
-from .sched_child import die_with_parent, drain_on_signals, kill_if_local, publish_port
+from .sched_child import drain_on_signals, kill_if_local, publish_port
 from .status import JobView
 
 log = logging.getLogger("trainguard.scheduler")
 
-# exit codes (exitcodes.py): EXIT_CONFIG, its configuration or cluster.db was refused at start; EXIT_JOB_FAILED,
-# the job failed for good (a crash of the scheduler itself exits otherwise); EXIT_PREEMPTED, the job stopped on a signal
 MAX_CONNECTIONS_BASE = 256  # open connections beyond 4 per worker (2 each, reconnects, agents, tools)
+PENDING_PER_PEER_BASE = 64  # connections of one address still in the handshake, beyond 1 per worker: one flooding
+# address can never hold more than a quarter of the places (the members' 2 per worker are always left)
 QUIET_REGISTRATIONS = 256  # larger jobs log first registrations at DEBUG only (10,000 lines say nothing)
 LISTEN_BACKLOG = 4096  # a registration storm of thousands connects at once (the kernel caps it at somaxconn)
 LINGER_MAX_S = 2.0  # a failed job's scheduler answers its survivors this long at most before it exits
@@ -91,6 +92,8 @@ class Scheduler(RendezvousRequests, AgentRequests):
         self.view = JobView(cfg.recovery_path if self.db else None, str(cfg.recover_strategy))  # status, metrics
         self.metrics: MetricsServer | None = None
         self.max_connections = MAX_CONNECTIONS_BASE + 4 * cfg.worker_num
+        self.max_pending_per_peer = PENDING_PER_PEER_BASE + cfg.worker_num
+        self._pending: Counter[str] = Counter()  # peer address -> its connections in the handshake
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -101,6 +104,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
         if auth.listen_policy(self.cfg.sched_host, self.cfg.secret, self.cfg.insecure):  # raises if refused
             log.warning("no job secret: every local user can reach this scheduler on %s (set TG_JOB_SECRET_FILE "
                         "to authenticate; `trainguard run` does it for you)", self.cfg.sched_host)
+        self.tls_context = tls.scheduler_context(self.cfg.tls)  # a bad certificate ends the job here, at start
         try:
             server = await asyncio.start_server(self._handle, self.cfg.sched_host, self.cfg.sched_port,
                                                 backlog=LISTEN_BACKLOG)
@@ -197,35 +201,47 @@ class Scheduler(RendezvousRequests, AgentRequests):
             if self.elastic and not self.cluster.formed:  # a dead member's deadline may have passed
                 await self._try_form()
 
-    # --- connections ------------------------------------------------------------------
-
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        if len(self._writers) >= self.max_connections:  # workers hold 2 each; a flood is turned away, logged
-            log.warning("refused a connection from %s: %d open, the limit", peer, len(self._writers))
+        address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        if len(self._writers) >= self.max_connections or self._pending[address] >= self.max_pending_per_peer:
+            log.warning("refused a connection from %s: %d open (limit %d), %d of them from it in the handshake "
+                        "(limit %d)", peer, len(self._writers), self.max_connections, self._pending[address],
+                        self.max_pending_per_peer)  # a flood is turned away, logged
             writer.close()
             return
         self._writers.add(writer)
+        stream = writer  # where replies go: with TLS, the session over it (tlsstream.py)
         try:
-            refused = await auth.accept(reader, writer, self.cfg.secret)
-            if refused:
-                log.warning("dropped a connection from %s: %s", peer, refused)
-                self.events.emit("connection_refused", peer=str(peer)[:100], reason=refused)
+            self._pending[address] += 1
+            try:
+                admitted = await auth.accept(reader, writer, self.cfg.secret, self.tls_context)
+            finally:
+                self._pending[address] -= 1
+                if not self._pending[address]:
+                    del self._pending[address]
+            if admitted.refused:
+                log.warning("dropped a connection from %s: %s", peer, admitted.refused)
+                self.events.emit("connection_refused", peer=str(peer)[:100], reason=admitted.refused)
                 return
-            while (req := await p.read_request(reader)) is not None:
+            stream = admitted.writer
+            while (req := await p.read_request(admitted.reader)) is not None:
                 try:
-                    data = p.encode(await self._dispatch(req, writer))
+                    data = p.encode(await self._dispatch(req, stream) if admitted.agent or req.type not in
+                                    auth.AGENT_ONLY else p.Error(code=p.ErrorCode.BAD_MESSAGE, message=(
+                                        f"{req.type}: only an agent may send it, and this connection holds a "
+                                        "worker's secret")))
                 except (ValueError, TypeError, KeyError, OverflowError, ArithmeticError) as exc:  # a handler's bug
                     log.error("%s request from %s failed: %r", req.type, peer, exc)  # or a hostile value: answered
                     data = p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=f"{req.type}: {type(exc).__name__}"))
                 await self.commits.durable()  # no reply reveals a change before it is saved (commit.py)
-                writer.write(data)
-                await writer.drain()
+                stream.write(data)
+                await stream.drain()
         except ProtocolError as exc:
             log.warning("dropped connection from %s: %s", peer, exc)
             try:
-                writer.write(p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=str(exc))))
-                await writer.drain()
+                stream.write(p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=str(exc))))
+                await stream.drain()
             except (ConnectionError, OSError):
                 pass
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
@@ -234,7 +250,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
             return
         finally:
             self._writers.discard(writer)
-            bound = self._liveness.pop(id(writer), None)
+            bound = self._liveness.pop(id(stream), None)
             writer.close()
             if bound is not None and self.cluster.job is m.JobState.RUNNING:
                 node = self.cluster.nodes.get(bound[0])
@@ -363,38 +379,3 @@ class Scheduler(RendezvousRequests, AgentRequests):
 
     async def _on_status(self, req: p.Status):
         return p.StatusReply(state=self.view.status(self.cluster, time.monotonic()))
-
-
-def run_scheduler(cfg: ClusterConfig, *, port_fd: int | None = None, parent_pid: int | None = None) -> int:
-    """Run the scheduler in this process until the job ends; the exit code says how it ended.
-    `port_fd`: write the bound port there; `parent_pid`: end when that process dies (sched_child.py)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s",
-                        stream=sys.stderr)
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
-    try:
-        return asyncio.run(Scheduler(cfg, port_fd=port_fd).serve())
-    except (ConfigError, ClusterStateError) as exc:  # refused at start: one clear line, no traceback
-        print(f"trainguard scheduler: {exc}", file=sys.stderr, flush=True)
-        return EXIT_CONFIG
-
-
-def start_in_thread(cfg: ClusterConfig) -> tuple[Scheduler, threading.Thread]:
-    """The scheduler in a thread of this process, for tests; returns once it listens. (Under torchrun and
-    mpirun rank 0 runs it as a child process: sched_child.py.)"""
-    sched = Scheduler(cfg)
-    errors: list[BaseException] = []
-
-    def main() -> None:
-        try:
-            asyncio.run(sched.serve())
-        except BaseException as exc:  # reported to the starting thread below
-            errors.append(exc)
-            sched.ready.set()
-
-    thread = threading.Thread(target=main, name="trainguard-scheduler", daemon=True)
-    thread.start()
-    sched.ready.wait()
-    if errors:
-        raise errors[0]
-    return sched, thread

@@ -1,4 +1,4 @@
-"""`trainguard` command line: `scheduler`, `run`, `ckpt`, `chaos`, `status` and `report`.
+"""`trainguard` command line: `scheduler`, `run`, `ckpt`, `chaos`, `status`, `report` and `certs`.
 
 Flag names follow torchrun where they mean the same (`--nproc-per-node`, `--nnodes`,
 `--node-rank`, `--max-restarts`, `--log-dir`; `--master-addr/--master-port` are aliases of
@@ -29,7 +29,9 @@ from ..config import (
     from_env,
 )
 from ..errors import CheckpointError, ConfigError
-from . import chaos, observe
+from ..tlsconfig import ENABLE_SSL_ENV, SSL_CONFIG_ENV
+from ..tlsconfig import read as read_tls
+from . import certs, chaos, observe
 from .agent import Supervisor
 from .budget import restart_rate
 from .jobfile import merge_job_file, resolve_strategy
@@ -101,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-port", dest="metrics_port", type=int,
                      help="the scheduler serves Prometheus metrics on this port, at /metrics (default TG_METRICS_PORT, "
                           "else off); TG_METRICS_HOST sets the address (default the scheduler's)")
+    run.add_argument("--ssl-config", dest="ssl_config", type=Path,
+                     help="TLS between every process and the scheduler, as TG_ENABLE_SSL=1 TG_SSL_CONFIG=this file "
+                          "(reference 001's JSON); key passwords from TG_SERVER_PASSWORD(_FILE), TG_CLIENT_PASSWORD(_FILE)")
     run.add_argument("--config", type=Path, help="a job file (YAML or JSON) with these flags; flags win over it")
     run.add_argument("script", nargs="?", help="the training script (or `script:` in --config)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -120,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.set_defaults(handler=_ckpt)
     chaos.add_parser(sub)
     observe.add_parsers(sub)
+    certs.add_parser(sub)
     return parser
 
 
@@ -150,7 +156,7 @@ def _scheduler(args: argparse.Namespace) -> int:
         cfg = replace(cfg, sched_port=0)
     if cfg.enable_recovery and cfg.recovery_path is not None:
         check_recovery_path(cfg.recovery_path)
-    from ..control.scheduler import (
+    from ..control.sched_main import (
         run_scheduler,  # lazy: the agent must import without it
     )
 
@@ -174,6 +180,9 @@ def _ckpt(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    args = merge_job_file(args)
+    if args.ssl_config is not None:  # the same as TG_ENABLE_SSL=1 TG_SSL_CONFIG=...: this agent and all it starts
+        os.environ.update({ENABLE_SSL_ENV: "1", SSL_CONFIG_ENV: str(args.ssl_config.expanduser().resolve())})
     return Supervisor(resolve_run(args, os.environ)).run()
 
 
@@ -221,12 +230,26 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
         recovery = Path(path_env[1]) if path_env else Path(tempfile.mkdtemp(prefix="trainguard-"))
     if recovery is not None:
         recovery = check_recovery_path(recovery.expanduser().resolve())
+    check_tls(env, spec.hosts_scheduler)
     secret = job_secret(env, nnodes=spec.nnodes, insecure=_bool_env(env, INSECURE_ENV))
     if secret is not None and recovery is not None and spec.hosts_scheduler:
         write_secret(recovery, secret)  # for the same user's tools (trainguard chaos)
     terminal = os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else None  # rank 0's progress bar draws there
     return replace(spec, sched_host=host, sched_port=port, recovery_path=recovery, log_dir=args.log_dir,
                    secret=secret, terminal=terminal)
+
+
+def check_tls(env: Mapping[str, str], hosts_scheduler: bool) -> None:
+    """With TLS on, open every certificate this host will use now: a wrong password, an expired or revoked
+    certificate ends the job before anything starts (and an expiry within the warning time is said once here)."""
+    cfg = read_tls(env)
+    if cfg is None:
+        return
+    from ..control import tls  # lazily: it loads cryptography, for TLS jobs only
+
+    tls.client_context(cfg)
+    if hosts_scheduler:
+        tls.scheduler_context(cfg)
 
 
 def _bool_env(env: Mapping[str, str], name: str) -> bool:

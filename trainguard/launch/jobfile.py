@@ -10,6 +10,7 @@
     max_retries: 3
     grace_period: 30                                   # seconds from SIGTERM to SIGKILL
     recovery_path: /shared/job42/recovery
+    ssl_config: /shared/tls/ssl.json                   # TLS; passwords from TG_SERVER/CLIENT_PASSWORD(_FILE)
 
 Keys are the long flag names with underscores (`nproc_per_node` = `workers`, `master_addr` =
 `sched_host`, `master_port` = `sched_port`). A flag given on the command line wins over the
@@ -81,6 +82,7 @@ class JobFile(BaseModel):
     host_fail_window: float | None = Field(None, gt=0)
     host_cooldown: float | None = Field(None, ge=0)
     elastic_deadline: float | None = Field(None, gt=0)
+    ssl_config: Path | None = None  # TLS (tlsconfig.py); the key passwords never go in this file
 
     @field_validator("recover_strategy", mode="before")
     @classmethod

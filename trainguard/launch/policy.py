@@ -36,6 +36,7 @@ from ..config import (
     WORKER_NUM_ENV,
     Role,
 )
+from ..control.auth import worker_secret
 from ..control.placement import PlacementPolicy
 from ..errors import ConfigError
 from ..exitcodes import (
@@ -326,7 +327,8 @@ def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[
     env[MAX_RETRIES_ENV] = str(spec.recover_strategy.max_retries)
     env[ELASTIC_DEADLINE_ENV] = f"{spec.recover_strategy.elastic_deadline:g}"
     env.pop(JOB_SECRET_FILE_ENV, None)
-    set_env(env, JOB_SECRET_ENV, spec.secret.decode() if spec.secret is not None else None)
+    secret = spec.secret if spec.secret is None or role is Role.SCHEDULER else worker_secret(spec.secret)
+    set_env(env, JOB_SECRET_ENV, secret.decode() if secret is not None else None)  # a worker's: control/auth.py
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

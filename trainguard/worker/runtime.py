@@ -269,7 +269,7 @@ def init(env=None) -> Runtime:
         return _runtime
     cfg = C.from_env(env)
     if cfg.role is C.Role.SCHEDULER:
-        from ..control.scheduler import run_scheduler
+        from ..control.sched_main import run_scheduler
 
         sys.exit(run_scheduler(cfg))
     logging.basicConfig(level=os.environ.get(C.LOG_LEVEL_ENV, "WARNING").upper(),
