@@ -36,6 +36,7 @@ from ..errors import (
     SchedulerUnavailable,
     TrainguardError,
 )
+from .tls import client_failure, refusal
 from .tlsstream import TLSStream
 
 MAGIC = b"TGA"
@@ -94,8 +95,6 @@ async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sec
         try:
             await stream.handshake(TIMEOUT_S)
         except (ssl.SSLError, TimeoutError, asyncio.TimeoutError, ConnectionError, EOFError, OSError) as exc:
-            from .tls import refusal  # the words for it; tls.py loads cryptography only to build contexts
-
             return Admission(f"TLS: {refusal(exc)}", reader, writer)
         reader, writer = stream, stream
     greeting, nonce_s = hello(secret)
@@ -124,8 +123,6 @@ def client_handshake(sock: socket.socket, secret: bytes | None, where: str,
         if tls_context is None:
             raise AuthenticationFailed(f"{where} requires TLS and this process has no TLS settings: set "
                                        "TG_ENABLE_SSL=1 and TG_SSL_CONFIG as for the scheduler")
-        from .tls import client_failure
-
         plain, sock = sock, None
         try:
             sock = tls_context.wrap_socket(plain)
