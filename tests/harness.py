@@ -20,6 +20,9 @@ FAST = {"TG_HEARTBEAT_INTERVAL": "0.2", "TG_HEARTBEAT_TIMEOUT": "2", "OMP_NUM_TH
         "PYTHONUNBUFFERED": "1", "TG_FAULT": ""}
 
 
+RESTARTING_FAULTS = ("kill", "stop", "raise", "collective")  # TG_FAULT kinds after which a worker may be replaced
+
+
 def env(**extra: str) -> dict[str, str]:
     return {**os.environ, **FAST, **extra}
 
@@ -33,6 +36,8 @@ def launch(out: Path, workers: int, *, faults: str = "", level: str = "low", epo
            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--max-restarts", str(max_restarts),
            "--recovery-path", str(out / "recovery")]
+    if spares is None and not any(f in faults for f in RESTARTING_FAULTS):
+        spares = 0  # nothing will be replaced: a warm spare would only take CPU from the workers' start
     if spares is not None:
         cmd += ["--hot-spares", str(spares)]
     cmd += job_args(out, level=level, epochs=epochs, extra=extra)

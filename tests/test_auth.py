@@ -46,6 +46,14 @@ def test_the_answer_proves_the_secret_both_ways():
     assert auth.check_answer(SECRET, replayed, good)[0] == 0
 
 
+def test_a_peers_text_cannot_forge_a_log_line():
+    from trainguard.control.msgbase import for_log
+
+    forged = "boom\n2026-11-24 10:00:00 trainguard.scheduler INFO: all is well\x1b[2K\r"
+    assert for_log(forged) == "boom\n  | 2026-11-24 10:00:00 trainguard.scheduler INFO: all is well\\x1b[2K\\x0d"
+    assert for_log("Traceback:\n\tline 3") == "Traceback:\n  | \tline 3"  # a traceback stays readable
+
+
 def test_where_a_scheduler_without_a_secret_may_listen():
     assert auth.listen_policy("127.0.0.1", None, False) and auth.listen_policy("localhost", None, False)
     assert auth.listen_policy("0.0.0.0", SECRET, False) is False  # authenticated: anywhere
@@ -187,7 +195,7 @@ def test_a_job_finishes_bit_identical_while_a_stranger_knocks(tmp_path, baseline
     from trainguard.launch.cli import pick_free_port
 
     port = pick_free_port("127.0.0.1")
-    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--sched-port", str(port),
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--sched-port", str(port), "--hot-spares", "0",
            "--recovery-path", str(tmp_path / "recovery"), *job_args(tmp_path, extra=("--step-sleep", "0.05"))]
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     refused = []

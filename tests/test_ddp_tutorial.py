@@ -24,14 +24,17 @@ WORKERS, EPOCHS = 3, 6  # 1797 digits over 3 ranks, batch 32: 19 steps an epoch,
 KILL_STEP = 40  # in epoch 2, after the script's own snapshot of epoch 1 (so a replacement finds it)
 
 
-def command(out: Path) -> list[str]:
+def command(out: Path, spares: int = 0) -> list[str]:
+    """`spares`: warm processes to replace a killed worker (none where nothing will be replaced: a spare
+    only takes CPU from the workers' start)."""
     return [sys.executable, "-m", "trainguard", "run", "--workers", str(WORKERS), "--recovery-path",
-            str(out / "recovery"), str(PORT), "--total-epochs", str(EPOCHS), "--save-every", "2",
+            str(out / "recovery"), "--hot-spares", str(spares), str(PORT), "--total-epochs", str(EPOCHS), "--save-every", "2",
             "--snapshot-path", str(out / "snapshot.pt"), "--out", str(out / "final.safetensors")]
 
 
 def launch(out: Path, faults: str = "") -> subprocess.CompletedProcess:
-    proc = subprocess.run(command(out), cwd=REPO, env=env(TG_FAULT=faults), capture_output=True, text=True,
+    proc = subprocess.run(command(out, spares=1 if "kill" in faults else 0), cwd=REPO, env=env(TG_FAULT=faults),
+                          capture_output=True, text=True,
                           timeout=240)
     (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

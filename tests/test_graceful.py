@@ -30,7 +30,7 @@ def baseline(baseline_runs):
 def run_cmd(out: Path, *flags: str, extra: tuple = ()) -> list[str]:
     """The same command as harness.launch, for runs the test signals itself."""
     return [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--recovery-path", str(out / "recovery"),
-            *flags, *job_args(out, extra=extra)]
+            "--hot-spares", "0", *flags, *job_args(out, extra=extra)]  # a graceful stop replaces nobody
 
 
 def ckpt_args(out: Path, how: str = "config", *more: str) -> tuple:
@@ -261,5 +261,6 @@ def test_hand_loop_save_cut_by_the_grace_period_never_looks_complete(tmp_path):
     assert proc.returncode == EXIT_PREEMPTED, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "rank 0 stops at step 3" in proc.stdout and "rank 1 stops at step 3" in proc.stdout
     assert "did not finish within the grace period (2 s); it is left incomplete" in proc.stdout + proc.stderr
+    assert "stopping the scheduler" not in proc.stdout + proc.stderr  # each said goodbye: the job ended at once
     folder = tmp_path / "ckpt" / "loop-1_3"
     assert sorted(p.name for p in folder.iterdir()) == ["rank_0.bin", "rank_1.bin"]  # no manifest

@@ -32,7 +32,9 @@ def baseline(baseline_runs):
     return baseline_runs(3)
 
 
-def start(hosts: Hosts, out, *, faults: str = "", job_extra: tuple = (), **extra_env: str) -> dict:
+def start(hosts: Hosts, out, *, faults: str = "", job_extra: tuple = (), flags: dict | None = None,
+          **extra_env: str) -> dict:
+    """An agent per host; `flags`: host -> its extra `trainguard run` flags."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "shared.secret").write_text("the secret the three hosts share\n")
     (out / "shared.secret").chmod(0o600)
@@ -40,7 +42,8 @@ def start(hosts: Hosts, out, *, faults: str = "", job_extra: tuple = (), **extra
     for rank, host in enumerate(hosts.names):
         cmd = [sys.executable, "-m", "trainguard", "run", "--nnodes", "3", "--node-rank", str(rank), "--workers", "1",
                "--sched-host", hosts.addr["a"], "--sched-port", str(PORT), "--max-restarts", "3", "--hot-spares", "0",
-               "--recovery-path", str(out / "recovery"), *job_args(out, extra=job_extra)]
+               "--recovery-path", str(out / "recovery"), *(flags or {}).get(host, ()),
+               *job_args(out, extra=job_extra)]
         secret = str(out / "shared.secret")
         procs[host] = hosts.popen(host, cmd, env(TG_FAULT=faults, TG_JOB_SECRET_FILE=secret, **extra_env),
                                   out / f"agent-{host}.log")
@@ -84,19 +87,27 @@ def test_partitioned_host_is_fenced_and_its_stale_worker_never_counts(tmp_path, 
     assert any(e["event"] == "registered" and e["node"] == "2" and e["incarnation"] >= 2 for e in ev)
 
 
-def test_kill_9_on_host_b_over_slow_lossy_links(tmp_path, baseline):
+def test_kill_9_on_host_b_over_slow_lossy_links_and_recover_moves_it_to_c(tmp_path, baseline):
     """50 ms on every packet each host sends and 1% of them lost (tc netem, or tests/tapswitch.py where the
-    kernel has no netem); the worker on B is killed with kill -9 after step 6, and recovers over those links."""
+    kernel has no netem). Under `recover`, with a free slot on C only, the worker on B is killed with kill -9
+    after step 6: B's agent asks where it goes, the scheduler places it on C, C's agent starts it with the
+    same node id, and it takes the agreed state over those links."""
     hosts = Hosts(delay_ms=50, loss=0.01).up()
+    recover = ("--recover-strategy", "recover")
     try:
         assert 0.09 < hosts.connect_time("b", "a") < 0.5  # 50 ms each way: the links are slow for real
         # the kill is seen by B's agent at once; the heartbeat timeout only has to outlast the lossy links (TCP
         # retransmits a lost packet after 200 ms or more, and the user-space switch lags on a busy machine)
-        finish(start(hosts, tmp_path, faults="1:6:kill", TG_HEARTBEAT_TIMEOUT="8"), tmp_path, timeout=200)
+        procs = start(hosts, tmp_path, faults="1:6:kill", flags={"a": recover, "b": recover,
+                                                                  "c": (*recover, "--slots", "2")},
+                      TG_HEARTBEAT_TIMEOUT="8")
+        finish(procs, tmp_path, timeout=200)
     finally:
         hosts.down()
     check(tmp_path, baseline)
     ev = events(tmp_path)
     assert [node for node, _ in deaths(ev)] == ["1"], ev
-    assert {(e["node"], e["incarnation"]) for e in ev if e["event"] == "registered"} == {
-        ("0", 1), ("1", 1), ("1", 2), ("2", 1)}  # only B's worker was replaced
+    assert [(e["node"], e["origin"], e["action"], e["target"]) for e in ev if e["event"] == "placement"] == [
+        ("1", 1, "move", 2)]
+    assert {(e["node"], e["incarnation"], e["host"]) for e in ev if e["event"] == "registered"} == {
+        ("0", 1, "host-a"), ("1", 1, "host-b"), ("1", 2, "host-c"), ("2", 1, "host-c")}  # moved from B to C

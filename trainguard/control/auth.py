@@ -49,6 +49,7 @@ ANSWER_SIZE = NONCE + 32
 VERDICT_SIZE = 1 + 32
 AGENT_ONLY = frozenset({"agent_sync", "agent_place", "host_beat", "process_exited"})  # requests a worker may not send
 TIMEOUT_S = 5.0  # a client that has not answered the challenge by then is dropped
+_timeout = getattr(asyncio, "timeout", None)
 HINT = ("give every process of the job the same secret: TG_JOB_SECRET_FILE=path (or TG_JOB_SECRET); "
         "`trainguard run` writes its own to <recovery path>/job.secret")
 
@@ -103,7 +104,11 @@ async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sec
     if secret is None:
         return Admission("", reader, writer, agent=True)
     try:
-        answer = await asyncio.wait_for(reader.readexactly(ANSWER_SIZE), TIMEOUT_S)
+        if _timeout is not None:  # Python >= 3.11: a deadline on this task (wait_for would make one more task)
+            async with _timeout(TIMEOUT_S):
+                answer = await reader.readexactly(ANSWER_SIZE)
+        else:
+            answer = await asyncio.wait_for(reader.readexactly(ANSWER_SIZE), TIMEOUT_S)
     except (asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
         return Admission("no answer to the job-secret challenge", reader, writer)
     verdict, agent = check_answer(secret, nonce_s, answer), True

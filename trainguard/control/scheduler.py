@@ -29,6 +29,7 @@ from .db import ClusterDB
 from .elastic import ElasticScheduling
 from .kvstore import KVStore
 from .metrics import MetricsServer
+from .msgbase import for_log
 from .placement import PlacementPolicy
 from .rendezvous import RendezvousRequests
 from .sched_child import drain_on_signals, kill_if_local, publish_port
@@ -141,7 +142,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
         job = self.cluster.job
         self.events.emit("job_end", state=job.value, root_cause=self.cluster.root_cause)
         if job is m.JobState.FAILED:
-            print(f"trainguard: job failed: {self.cluster.root_cause}", file=sys.stderr, flush=True)
+            print(f"trainguard: job failed: {for_log(self.cluster.root_cause)}", file=sys.stderr, flush=True)
         elif job is not m.JobState.DONE:  # stopped, or still running after a stop signal (sched_child.py)
             log.info("the job stopped (%s); run it again to resume", self.cluster.root_cause or "a signal")
         else:
@@ -301,7 +302,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
         log.log(logging.DEBUG if quiet else logging.INFO, "registered %s as incarnation %d (pid %d on %s)%s",
                 node.node_id, node.incarnation, req.pid, req.host, f", replacing {d.replaces}" if d.replaces else "")
         self.events.emit("registered", node=node.node_id, rank=node.rank, incarnation=node.incarnation,
-                          pid=req.pid, generation=c.generation)
+                          pid=req.pid, host=req.host, generation=c.generation)
         await self._notify()
         return p.Registered(node_id=node.node_id, rank=node.rank, incarnation=node.incarnation,
                             generation=c.generation, worker_num=c.worker_num)
@@ -337,7 +338,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
         before = c.generation
         m.apply_failure(c, node_id, d, time.monotonic())
         self._persist(node_id)
-        log.warning("%s", d.reason)
+        log.warning("%s", for_log(d.reason))
         self.events.emit("failure_detected", node=node_id, rank=node.rank if node else -1, kind=kind.value,
                           detail=detail[-500:], generation=before, next_generation=c.generation)
         await self._notify()

@@ -31,7 +31,7 @@ from ..config import (
 from ..errors import CheckpointError, ConfigError
 from ..tlsconfig import ENABLE_SSL_ENV, SSL_CONFIG_ENV
 from ..tlsconfig import read as read_tls
-from . import certs, chaos, observe
+from . import certs, chaos, observe, slurm
 from .agent import Supervisor
 from .budget import restart_rate
 from .jobfile import merge_job_file, resolve_strategy
@@ -180,10 +180,14 @@ def _ckpt(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    args = merge_job_file(args)
-    if args.ssl_config is not None:  # the same as TG_ENABLE_SSL=1 TG_SSL_CONFIG=...: this agent and all it starts
-        os.environ.update({ENABLE_SSL_ENV: "1", SSL_CONFIG_ENV: str(args.ssl_config.expanduser().resolve())})
-    return Supervisor(resolve_run(args, os.environ)).run()
+    spec = resolve_run(args, os.environ)
+    os.environ.update(ssl_env(spec.ssl_config))  # --ssl-config: for this agent's connections and all it starts
+    return Supervisor(spec).run()
+
+
+def ssl_env(ssl_config: Path | None) -> dict[str, str]:
+    """--ssl-config F (or `ssl_config:`) is TG_ENABLE_SSL=1 TG_SSL_CONFIG=F."""
+    return {ENABLE_SSL_ENV: "1", SSL_CONFIG_ENV: str(ssl_config)} if ssl_config is not None else {}
 
 
 def _hot_spares(args: argparse.Namespace) -> int:
@@ -198,7 +202,8 @@ def _first(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | 
 
 def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
     """Flags (then the --config file, then env) → a validated LaunchSpec with the port and recovery path chosen."""
-    args = merge_job_file(args)
+    args = merge_job_file(args, fallback=slurm.defaults(env))
+    ssl_config = args.ssl_config.expanduser().resolve() if getattr(args, "ssl_config", None) else None
     strategy, grace = resolve_strategy(args, env)
     spec = LaunchSpec(script=args.script, script_args=tuple(args.script_args), nproc_per_node=args.workers,
                       nnodes=args.nnodes, node_rank=args.node_rank, sched_port=args.sched_port or 0,
@@ -230,13 +235,13 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
         recovery = Path(path_env[1]) if path_env else Path(tempfile.mkdtemp(prefix="trainguard-"))
     if recovery is not None:
         recovery = check_recovery_path(recovery.expanduser().resolve())
-    check_tls(env, spec.hosts_scheduler)
+    check_tls({**env, **ssl_env(ssl_config)}, spec.hosts_scheduler)
     secret = job_secret(env, nnodes=spec.nnodes, insecure=_bool_env(env, INSECURE_ENV))
     if secret is not None and recovery is not None and spec.hosts_scheduler:
         write_secret(recovery, secret)  # for the same user's tools (trainguard chaos)
     terminal = os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else None  # rank 0's progress bar draws there
     return replace(spec, sched_host=host, sched_port=port, recovery_path=recovery, log_dir=args.log_dir,
-                   secret=secret, terminal=terminal)
+                   secret=secret, terminal=terminal, ssl_config=ssl_config)
 
 
 def check_tls(env: Mapping[str, str], hosts_scheduler: bool) -> None:

@@ -126,8 +126,9 @@ def load_job_file(path: Path) -> JobFile:
     return job
 
 
-def merge_job_file(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill every flag not given on the command line from --config (if any), then from the defaults."""
+def merge_job_file(args: argparse.Namespace, fallback: Mapping[str, object] | None = None) -> argparse.Namespace:
+    """Fill every flag not given on the command line from --config (if any), then from `fallback` (what the
+    environment says, e.g. Slurm's: launch/slurm.py), then from the defaults."""
     path = getattr(args, "config", None)
     job = load_job_file(path) if path is not None else JobFile()
     for key, value in job.model_dump().items():
@@ -136,7 +137,7 @@ def merge_job_file(args: argparse.Namespace) -> argparse.Namespace:
                 args.script_args = value
         elif getattr(args, key, None) is None and value is not None:
             setattr(args, key, value)
-    for key, value in RUN_DEFAULTS.items():
+    for key, value in [*(fallback or {}).items(), *RUN_DEFAULTS.items()]:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if getattr(args, "script", None) is None:

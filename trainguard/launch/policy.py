@@ -249,6 +249,7 @@ class LaunchSpec:
     secret: bytes | None = field(default=None, repr=False)  # the job secret (launch/secret.py); in the children's env
     metrics_port: int | None = None  # --metrics-port: the scheduler serves Prometheus metrics (control/metrics.py)
     terminal: str | None = None  # the agent's terminal, if its stderr is one: workers' progress bars draw there
+    ssl_config: Path | None = None  # --ssl-config: TLS (tlsconfig.py); set in this agent's env and its children's
 
     def __post_init__(self) -> None:
         if self.slots and self.slots < self.nproc_per_node:

@@ -67,6 +67,8 @@ class GracefulStop:
         if not run_before(deadline, save):
             print(f"trainguard: rank {rt.rank}: {name}: the dying-gasp save of step {step} did not finish "
                   f"within the grace period ({self.grace:g} s); it is left incomplete", file=sys.stderr, flush=True)
+            rt.finish(ok=True, stopped=True, detail=f"stopped on {name} at step {step} (the save was cut)",
+                      patience=GOODBYE_PATIENCE_S)  # else the job waits for this worker to come back
             sys.stdout.flush()
             os._exit(EXIT_PREEMPTED)
         rt.events.emit("graceful_exit", rank=rt.rank, step=step, signal=name, saved=[step], pending=False)
