@@ -1,6 +1,6 @@
 """What authentication costs on the control plane: a request's round trip on an open connection, and
-opening a connection (TCP connect + handshakes + one request), against three real schedulers, in
-turn: without a secret ("open"), with the job secret (control/auth.py), and with the secret inside
+opening a connection (TCP connect + handshakes + one request), against three real schedulers (threads
+of this process), in a new random order each round: without a secret ("open"), with the job secret (control/auth.py), and with the secret inside
 mutual TLS (control/tls.py, certificates from `trainguard certs` in a temporary folder); medians,
 and each one's ratio to "open".
 
@@ -8,6 +8,7 @@ and each one's ratio to "open".
 """
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -50,13 +51,13 @@ def main() -> None:
     conns = {name: Connection(addr, 5, secret=secret, tls_context=ctx) for name, (addr, secret, ctx) in addresses.items()}
     rtt = {name: [] for name in addresses}
     for _ in range(args.rounds):  # alternating, one round trip each
-        for name, conn in conns.items():
+        for name, conn in random.sample(list(conns.items()), len(conns)):  # in a new order each round
             t = time.perf_counter()
             conn.request(p.Status(), 5)
             rtt[name].append(time.perf_counter() - t)
     setup = {name: [] for name in addresses}
     for _ in range(args.connects):
-        for name, (addr, secret, ctx) in addresses.items():
+        for name, (addr, secret, ctx) in random.sample(list(addresses.items()), len(addresses)):
             t = time.perf_counter()
             conn = Connection(addr, 5, secret=secret, tls_context=ctx)
             conn.request(p.Status(), 5)

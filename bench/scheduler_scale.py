@@ -10,7 +10,7 @@ For recovery off and on (cluster.db, events.jsonl), it reports:
 - (recovery on) a kill -9 of the scheduler: the time until a new one on the same port has all N
   members reattached (each sends its next heartbeat to it).
 
-    python bench/scheduler_scale.py --workers 10000
+    python bench/scheduler_scale.py --workers 10000 [--runs 3]
 
 The clients run on the same machine as the scheduler, so what they spend is not the scheduler's.
 """
@@ -201,6 +201,8 @@ def main() -> None:
     parser.add_argument("--heartbeats", choices=("relay", "direct", "both"), default="relay",
                         help=f"relay: an agent per {PER_HOST} workers beats for them (the default from "
                              "64 workers, launch/relay.py); direct: every worker beats on its own connection")
+    parser.add_argument("--runs", type=int, default=1, help="recovery off and on alternate this many times; the "
+                                                             "table shows each figure's median")
     args = parser.parse_args()
     raise_fd_limit()
     modes = {"relay": (True,), "direct": (False,), "both": (True, False)}[args.heartbeats]
@@ -210,14 +212,20 @@ def main() -> None:
         (tmp / "job.secret").write_text(SECRET)
         (tmp / "job.secret").chmod(0o600)
         for relay in modes:
-            for recovery in (False, True):
-                got = asyncio.run(run(args.workers, recovery, relay, args, tmp))
-                results[relay, recovery] = got
-                print(f"{'relay' if relay else 'direct'}, recovery {'on ' if recovery else 'off'}: "
-                      f"{json.dumps({k: round(v, 3) for k, v in got.items()})}", flush=True)
+            for i in range(args.runs):
+                for recovery in (False, True):
+                    sub = tmp / f"run{i}"
+                    sub.mkdir(exist_ok=True)
+                    (sub / "job.secret").write_text(SECRET)
+                    (sub / "job.secret").chmod(0o600)
+                    got = asyncio.run(run(args.workers, recovery, relay, args, sub))
+                    results.setdefault((relay, recovery), []).append(got)
+                    print(f"{'relay' if relay else 'direct'}, recovery {'on ' if recovery else 'off'}: "
+                          f"{json.dumps({k: round(v, 3) for k, v in got.items()})}", flush=True)
+        results = {k: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for k, runs in results.items()}
     n = args.workers
     print(f"\n{n} workers, heartbeat every {INTERVAL_S:g} s (timeout {TIMEOUT_S:g} s), {args.seconds:g} s of beats; "
-          f"recovery off / on")
+          f"recovery off / on{f'; medians of {args.runs} runs' if args.runs > 1 else ''}")
     rows = [("registrations, s", "register_s", ".2f"),
             ("  the scheduler's CPU in them, s", "register_cpu_s", ".2f"),
             (f"worker heartbeats per s (wanted {int(n / INTERVAL_S)})", "beats_per_s", ".0f"),

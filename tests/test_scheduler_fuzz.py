@@ -209,6 +209,25 @@ def test_one_address_flooding_the_handshake_cannot_take_the_members_places(tmp_p
     assert thread.is_alive()
 
 
+def test_a_large_frame_that_stalls_is_dropped_and_frees_what_it_held(tmp_path, monkeypatch):
+    """A header announcing 100 kB, then 10 bytes, then nothing: dropped once FRAME_READ_TIMEOUT_S passes (frames
+    up to TIMED_FRAME_BYTES are read without a timer: a stalled one holds at most that much)."""
+    monkeypatch.setattr(p, "FRAME_READ_TIMEOUT_S", 0.5)
+    _, thread, address = in_thread(tmp_path)
+    assert p.TIMED_FRAME_BYTES < 100_000 <= p.MAX_REQUEST_BYTES
+    with socket.create_connection(address, timeout=WAIT_S) as s:
+        assert len(s.recv(auth.HELLO_SIZE, socket.MSG_WAITALL)) == auth.HELLO_SIZE  # open: no challenge to answer
+        started = time.monotonic()
+        s.sendall(p.HEADER.pack(p.MAGIC, p.PROTOCOL_VERSION, 100_000) + b"x" * 10)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert 0.4 < time.monotonic() - started < 5
+    reply = p.decode_reply(got[p.HEADER.size:])
+    assert isinstance(reply, p.Error) and "100000-byte frame did not arrive within 0.5 s" in reply.message
+    assert thread.is_alive()
+
+
 def wait_dead(address, node_id: str, limit: float = 10.0) -> None:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:

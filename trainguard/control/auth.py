@@ -14,9 +14,13 @@ recorded handshake worthless. The client checks the scheduler's proof too, so an
 placement orders, and a worker its rank, only from the real scheduler. A client that holds a
 secret refuses a scheduler that does not ask for one (a stranger posing as it). Why a handshake
 and not an HMAC on every frame or TLS-PSK: the frames then cost nothing more (a heartbeat is one
-round trip, bench/control_plane.py), and Python's ssl has PSK only from 3.13. What it does not do:
-hide or protect the frames of an established connection from someone on the network path (TLS
-does that), nor touch gloo's traffic between workers (README, "Security").
+round trip, bench/control_plane.py), and Python's ssl has PSK only from 3.13. Alone, it does not
+hide or protect the frames of an established connection from someone on the network path: turn
+TLS on for that (TG_ENABLE_SSL); neither touches gloo's traffic between workers (README, "Security").
+
+`trainguard run` gives its workers `worker_secret(job secret)` instead: the scheduler tells the two
+apart by which one the answer proves, and serves the agents' requests (AGENT_ONLY) only to a holder
+of the job secret itself.
 """
 
 from __future__ import annotations
@@ -49,13 +53,12 @@ ANSWER_SIZE = NONCE + 32
 VERDICT_SIZE = 1 + 32
 AGENT_ONLY = frozenset({"agent_sync", "agent_place", "host_beat", "process_exited"})  # requests a worker may not send
 TIMEOUT_S = 5.0  # a client that has not answered the challenge by then is dropped
-_timeout = getattr(asyncio, "timeout", None)
 HINT = ("give every process of the job the same secret: TG_JOB_SECRET_FILE=path (or TG_JOB_SECRET); "
         "`trainguard run` writes its own to <recovery path>/job.secret")
 
 
 def proof(secret: bytes, side: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
-    return hmac.new(secret, b"TG-" + side + nonce_s + nonce_c, hashlib.sha256).digest()
+    return hmac.digest(secret, b"TG-" + side + nonce_s + nonce_c, "sha256")
 
 
 def hello(secret: bytes | None) -> tuple[bytes, bytes]:
@@ -103,14 +106,13 @@ async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sec
     await writer.drain()
     if secret is None:
         return Admission("", reader, writer, agent=True)
-    try:
-        if _timeout is not None:  # Python >= 3.11: a deadline on this task (wait_for would make one more task)
-            async with _timeout(TIMEOUT_S):
-                answer = await reader.readexactly(ANSWER_SIZE)
-        else:
-            answer = await asyncio.wait_for(reader.readexactly(ANSWER_SIZE), TIMEOUT_S)
-    except (asyncio.TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
+    drop = asyncio.get_running_loop().call_later(TIMEOUT_S, writer.close)  # no answer by then: dropped
+    try:  # (one timer handle per connection: the cheapest deadline asyncio has, and 10,000 connect at once)
+        answer = await reader.readexactly(ANSWER_SIZE)
+    except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
         return Admission("no answer to the job-secret challenge", reader, writer)
+    finally:
+        drop.cancel()
     verdict, agent = check_answer(secret, nonce_s, answer), True
     if verdict[0] != 1:
         verdict, agent = check_answer(worker_secret(secret), nonce_s, answer), False

@@ -43,6 +43,9 @@ FAULT_INJECTED = "fault_injected"
 _RESERVED = ("ts", "event")
 
 
+_ENCODE = json.JSONEncoder(default=str, separators=(",", ":")).encode  # one encoder for every line
+
+
 class EventLog:
     """Appends one JSON object per line to ``path``; safe to share between threads.
 
@@ -86,7 +89,7 @@ class EventLog:
         return record
 
     def _append(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
+        line = (_ENCODE(record) + "\n").encode()
         with self._lock:
             if self._fd is None:
                 raise TrainguardError(f"event log {self.path} is closed; open a new EventLog")
