@@ -82,8 +82,8 @@ def read(env: Mapping[str, str]) -> TLSConfig | None:
     if missing:
         raise ConfigError(f"{SSL_CONFIG_ENV}={source}: {missing[0]} is missing or empty")
     for key in KEYS[:5]:
-        if key in data and not isinstance(data[key], str):
-            raise ConfigError(f"{SSL_CONFIG_ENV}={source}: {key} must be a string")
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise ConfigError(f"{SSL_CONFIG_ENV}={source}: {key} must be a string (\"\" or null for none)")
     days = data.get("cert_expire_warning_time_in_day", DEFAULT_WARN_DAYS)
     if isinstance(days, bool) or not isinstance(days, int) or not 0 <= days <= 36500:
         raise ConfigError(f"{SSL_CONFIG_ENV}={source}: cert_expire_warning_time_in_day must be a whole number of "
