@@ -87,7 +87,9 @@ def test_a_registration_storm_shares_commits(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_kill_9_mid_storm_loses_no_acknowledged_registration(tmp_path):
-    n = 400
+    # the kill comes once 1 in 20 is acknowledged: the clients read replies slower than the scheduler sends
+    # them, so by a later count it may already have answered every one (then the test would prove nothing)
+    n, kill_at = 1000, 50
     secret_file = tmp_path / "job.secret"
     secret_file.write_bytes(SECRET)
     secret_file.chmod(0o600)
@@ -99,7 +101,7 @@ def test_kill_9_mid_storm_loses_no_acknowledged_registration(tmp_path):
 
     async def storm() -> None:
         task = asyncio.ensure_future(_register(workers, sched.port, n, acked))
-        while len(acked) < n // 4:
+        while len(acked) < kill_at:
             await asyncio.sleep(0.001)
         sched.kill()  # SIGKILL while registrations are in flight
         await task
@@ -108,7 +110,7 @@ def test_kill_9_mid_storm_loses_no_acknowledged_registration(tmp_path):
         asyncio.run(storm())
     finally:
         sched.kill()
-    assert n // 4 <= len(acked) < n, "the kill came after the storm: the test proved nothing"
+    assert kill_at <= len(acked) < n, f"the kill came after the storm: the test proved nothing ({len(acked)} acked)"
     scratch = tmp_path / "copy"  # read a copy: reading must not change what a new scheduler would load
     scratch.mkdir()
     for name in ("cluster.db", "cluster.db-wal"):
