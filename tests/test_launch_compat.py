@@ -146,9 +146,10 @@ def proc_stat(pid: int) -> list[str] | None:
         return None
 
 
-def torchrun_job(out: Path) -> tuple[list[str], dict[str, str]]:
+def torchrun_job(out: Path, step_sleep: float = 0.2) -> tuple[list[str], dict[str, str]]:
+    """`step_sleep` paces the steps (results unchanged) so that a kill lands mid-run; a reference run needs none."""
     cmd = [*torchrun_cmd(), "--standalone", "--nproc-per-node", "2", str(JOB), "--out", str(out / "final"),
-           "--epochs", "2", "--step-sleep", "0.2"]
+           "--epochs", "2", "--step-sleep", str(step_sleep)]
     return cmd, clean_env(**FAST, TG_ENABLE_RECOVERY="1", TG_RECOVERY_PATH=str(out / "recovery"))
 
 
@@ -183,7 +184,7 @@ def test_torchrun_scheduler_child_killed_mid_run_is_restarted_bit_identically(tm
     """The scheduler is a child process of rank 0; kill -9 of it mid-run: rank 0 restarts it on the same
     port, it reloads cluster.db, the workers reconnect, and the final states equal an uninterrupted run's."""
     base, hit = tmp_path / "base", tmp_path / "kill"
-    cmd, env = torchrun_job(base)
+    cmd, env = torchrun_job(base, step_sleep=0)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [started] = scheduler_starts(base)

@@ -74,8 +74,10 @@ def client_ctx(pki, name: str, **kw) -> ssl.SSLContext:
     ctx.check_hostname = False
     ctx.load_verify_locations(cafile=str(pki["config"].parent / "ca.crt"))
     ctx.load_cert_chain(str(pki["pems"][name]))
-    for key, value in kw.items():
-        setattr(ctx, key, value) if key != "ciphers" else ctx.set_ciphers(value)
+    if "ciphers" in kw:
+        ctx.set_ciphers(kw.pop("ciphers"))
+    for key, value in kw.items():  # e.g. maximum_version
+        setattr(ctx, key, value)
     return ctx
 
 
