@@ -11,13 +11,13 @@ import enum
 import os
 import re
 import socket
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
 from . import tlsconfig
 from .errors import ConfigError
+from .files import read_small_file
 from .strategies import (
     DEFAULT_ELASTIC_DEADLINE_S,
     DEFAULT_MAX_RETRIES,
@@ -274,13 +274,9 @@ def read_secret(env: Mapping[str, str]) -> bytes | None:
     if path:
         source = f"{JOB_SECRET_FILE_ENV}={path!r}"
         try:
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_BYTES:
-                raise ConfigError(f"{source}: not a regular file of at most {MAX_SECRET_BYTES} bytes; {hint}")
-            with open(path, "rb") as f:
-                raw = f.read(MAX_SECRET_BYTES).decode("utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{source}: cannot read the job secret ({getattr(exc, 'strerror', None) or exc})") from None
+            raw = read_small_file(path, MAX_SECRET_BYTES, source).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ConfigError(f"{source}: the job secret is not UTF-8 text; {hint}") from None
         if not raw:
             raise ConfigError(f"{source}: the file is empty; {hint}")
     if not raw:

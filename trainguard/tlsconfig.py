@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import ConfigError
+from .files import read_small_file
 
 ENABLE_SSL_ENV = "TG_ENABLE_SSL"
 SSL_CONFIG_ENV = "TG_SSL_CONFIG"
@@ -103,14 +104,14 @@ def password(env: Mapping[str, str], name: str, file_name: str) -> bytes | None:
         raise ConfigError(f"both {name} and {file_name} are set; set only one of them")
     if not path:
         return raw.encode() if raw else None
-    text = _small(Path(path), MAX_PASSWORD_BYTES, f"{file_name}={path}").rstrip(b"\r\n")
+    text = read_small_file(Path(path), MAX_PASSWORD_BYTES, f"{file_name}={path}").rstrip(b"\r\n")
     if not text:
         raise ConfigError(f"{file_name}={path}: the file is empty")
     return text
 
 
 def _json(source: Path) -> dict:
-    text = _small(source, MAX_CONFIG_BYTES, f"{SSL_CONFIG_ENV}={source}")
+    text = read_small_file(source, MAX_CONFIG_BYTES, f"{SSL_CONFIG_ENV}={source}")
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:
@@ -130,15 +131,3 @@ def _file(source: Path, key: str, value: str) -> Path:
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{SSL_CONFIG_ENV}={source}: {key} {str(path)!r} is not a regular file")
     return path
-
-
-def _small(path: Path, limit: int, what: str) -> bytes:
-    """A regular file of at most `limit` bytes, read whole (no FIFO, device or huge file is ever opened to read)."""
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise ConfigError(f"{what}: not a regular file of at most {limit} bytes")
-        with open(path, "rb") as f:
-            return f.read(limit)
-    except OSError as exc:
-        raise ConfigError(f"{what}: cannot read it ({exc.strerror or exc})") from None

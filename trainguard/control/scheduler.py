@@ -228,10 +228,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
             stream = admitted.writer
             while (req := await p.read_request(admitted.reader)) is not None:
                 try:
-                    data = p.encode(await self._dispatch(req, stream) if admitted.agent or req.type not in
-                                    auth.AGENT_ONLY else p.Error(code=p.ErrorCode.BAD_MESSAGE, message=(
-                                        f"{req.type}: only an agent may send it, and this connection holds a "
-                                        "worker's secret")))
+                    data = p.encode(await self._dispatch(req, stream, admitted.agent))
                 except (ValueError, TypeError, KeyError, OverflowError, ArithmeticError) as exc:  # a handler's bug
                     log.error("%s request from %s failed: %r", req.type, peer, exc)  # or a hostile value: answered
                     data = p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=f"{req.type}: {type(exc).__name__}"))
@@ -258,7 +255,10 @@ class Scheduler(RendezvousRequests, AgentRequests):
                 if node is not None and node.incarnation == bound[1] and node.state is m.NodeState.ALIVE:
                     await self._fail(bound[0], bound[1], p.FailureKind.CONNECTION, "control connection closed")
 
-    async def _dispatch(self, req, writer):
+    async def _dispatch(self, req, writer, agent: bool):
+        if req.type in auth.AGENT_ONLY and not agent:
+            return p.Error(code=p.ErrorCode.BAD_MESSAGE, message=(
+                f"{req.type}: only an agent may send it, and this connection holds a worker's secret"))
         handler = getattr(self, f"_on_{req.type}")
         return await (handler(req, writer) if req.type == "heartbeat" else handler(req))
 

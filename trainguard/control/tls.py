@@ -38,6 +38,7 @@ from ..errors import (
     SchedulerUnavailable,
     TrainguardError,
 )
+from ..files import read_small_file
 from ..tlsconfig import TLSConfig
 
 if TYPE_CHECKING:
@@ -234,14 +235,7 @@ def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
 
 
 def _read(path) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc}); {HINT}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES} bytes; not a certificate file")
-    return data
+    return read_small_file(path, MAX_FILE_BYTES, str(path))
 
 
 # --- what a failed handshake means ------------------------------------------------------------
