@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from .restore_plan import choose_restore
+from .shard_plan import choose_sharded_restore, is_sharded
 
 
 def decide_agreement(purpose: str, reports: dict[int, dict]) -> dict:
     if purpose == "restore":
-        return choose_restore(reports)
+        return choose_sharded_restore(reports) if is_sharded(reports) else choose_restore(reports)
     if purpose == "finish":
         steps = {int(r.get("step", -1)) for r in reports.values()}
         return {"ok": len(steps) == 1, "steps": sorted(steps)}
