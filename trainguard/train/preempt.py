@@ -56,9 +56,13 @@ class GracefulStop:
         flag = torch.tensor([self.request.signum], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         signum = int(flag.item())
-        if signum and not self.request.signum:  # another rank was signalled: its grace period is ours too
-            self.request.signum, self.request.at = signum, time.monotonic()
+        self.observe(signum)
         return signum
+
+    def observe(self, signum: int) -> None:
+        """The stop vote said `signum`: if another rank was signalled, its grace period is ours too."""
+        if signum and not self.request.signum:
+            self.request.signum, self.request.at = signum, time.monotonic()
 
     def exit(self, step: int, save: Callable[[], object]) -> NoReturn:
         """Run `save` (it may be collective) before the deadline, say goodbye, and exit 75."""

@@ -11,6 +11,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -62,6 +63,9 @@ class Runtime:
         self.group: dist.ProcessGroup | None = None
         self.members: frozenset[tuple[str, int]] = frozenset()  # (node id, incarnation) of the formed generation
         self._sockets = GroupSockets({})
+        self.backend = ""
+        self._abort_lock = threading.Lock()
+        self._aborted = 0  # the generation whose NCCL communicators were aborted
         self.step = -1
         self.finished = False
         self._error: str = ""
@@ -151,6 +155,27 @@ class Runtime:
         now instead of after the collective timeout."""
         if self.membership_changed():
             self._sockets.sever(f"the cluster moved past generation {self.generation}")
+            if self.backend == "nccl":
+                self._abort_nccl(f"the cluster moved past generation {self.generation}")
+
+    def _abort_nccl(self, why: str) -> None:
+        """NCCL has a real abort: a survivor blocked in a collective with a dead peer is released at once
+        instead of at the collective timeout (every communicator of the process, in one NCCL group)."""
+        with self._abort_lock:
+            if self.group is None or self._aborted == self.generation:
+                return
+            self._aborted = self.generation
+            try:
+                c10d._abort_process_group()
+                log.info("aborted the NCCL communicators of generation %d (%s)", self.generation, why)
+            except (RuntimeError, ValueError) as exc:
+                log.warning("aborting the NCCL group of generation %d: %s", self.generation, exc)
+
+    def track_sockets(self, before: dict[int, str]) -> None:
+        """Gloo sockets opened since `before` (a mesh's subgroups, a side group) are cut with this
+        generation's group: a collective blocked in them fails at once too."""
+        self._sockets.add(GroupSockets.since(before, exclude_peers=scheduler_peers(*self.address)))
+        self._on_news()
 
     def _backend(self) -> str:
         want = self.cfg.backend
@@ -160,6 +185,7 @@ class Runtime:
             if not torch.cuda.is_available():
                 raise ConfigError(f"{C.BACKEND_ENV}=nccl but CUDA is not available; use gloo")
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+        self.backend = want
         return want
 
     def _build_group(self) -> None:
@@ -188,6 +214,8 @@ class Runtime:
     def drop_group(self) -> None:
         # peers still blocked in a collective with us learn at once that we left
         self._sockets.sever("leaving the group")
+        if self.backend == "nccl" and self.group is not None:  # a hung communicator would block the destroy
+            self._abort_nccl("leaving the group")
         if dist.is_initialized():  # the user's script may have destroyed it already: nothing to do then
             try:
                 dist.destroy_process_group()

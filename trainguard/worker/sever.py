@@ -73,6 +73,11 @@ class GroupSockets:
             kept[fd] = link
         return cls(kept)
 
+    def add(self, other: "GroupSockets") -> None:
+        """Cut `other`'s connections with these from now on."""
+        with self._lock, other._lock:
+            self._fds.update(other._fds)
+
     def __len__(self) -> int:
         return len(self._fds)
 
