@@ -1,28 +1,39 @@
-r"""A character-level Transformer language model trained with DP x TP, with sliced checkpoints that
-resume on another layout (MindSpore's "distributed fault recovery", reference 002).
+r"""A character-level Transformer language model trained with DP x TP, FSDP2 or HSDP, that survives the
+death of any rank live (survivors keep their process) and writes sliced checkpoints that resume on
+another layout (MindSpore's "distributed fault recovery", reference 002).
 
     trainguard run --workers 4 --hot-spares 0 examples/transformer_tp.py --dp 2 --tp 2 --steps 40 \
         --ckpt-dir ckpt --save-steps 10
     trainguard run --workers 2 --hot-spares 0 examples/transformer_tp.py --dp 1 --tp 2 --steps 60 \
         --ckpt-dir ckpt --save-steps 10 --resume          # goes on from ckpt/transformer-1_40
+    trainguard run --workers 4 examples/transformer_tp.py --layout fsdp4 --steps 40 --out final.safetensors
     python -c "import trainguard as tg; print(tg.restore_group_info_list('ckpt/transformer-1_40', rank=0))"
     # [0, 2]: with dp=2 x tp=2, rank 2 holds the same slices as rank 0 (its replica)
 
-The text is the source of a few standard-library modules, read as bytes (vocabulary 0-255), so
-nothing is downloaded. The ranks form a ("dp", "tp") DeviceMesh with tp fastest: ranks (0, 1)
-split every attention and MLP projection between them (Colwise q/k/v and fc1, Rowwise out and
-fc2; each holds heads // tp heads), and ranks (0, 2) are data-parallel replicas.
+--layout picks the mesh: dpAxtpB (a ("dp", "tp") mesh, tp fastest: ranks (0, 1) split every
+attention and MLP projection between them (Colwise q/k/v and fc1, Rowwise out and fc2; each holds
+heads // tp heads), and ranks (0, 2) are data-parallel replicas), fsdpN (fully_shard over N ranks:
+no replica) or hsdpRxS (fully_shard on a (replicate, shard) mesh). The loop runs under
+`trainguard.ShardedJob`: a killed rank is restored from a live replica, else from a buddy's
+in-memory copy, else from disk, and the result is bit-identical to an uninterrupted run.
 
-The global batch does not depend on the layout: each step is --micro-batches micro-batches,
-drawn by a generator seeded with (step, micro-batch index); dp rank r trains micro-batches
-r*k .. r*k+k-1 (k = micro-batches // dp), adding up their gradients, and the dp group sums
-them. So a resumed run sees the same batches, on any dp. With two micro-batches and the same tp,
-dp=2 and dp=1 compute the same sum of two gradients (a + b == b + a), and the loss curve of a
-run resumed on (dp=1, tp=2) is bit-identical to that of an uninterrupted (dp=2, tp=2) run.
+The text is the source of a few standard-library modules, read as bytes (vocabulary 0-255), so
+nothing is downloaded. The global batch does not depend on the layout: each step is
+--micro-batches micro-batches, drawn by a generator seeded with (step, micro-batch index); data
+rank r trains micro-batches r*k .. r*k+k-1 (k = micro-batches // data ranks), adding up their
+gradients, and the data-parallel group sums them. So a resumed run sees the same batches, on any
+dp. With two micro-batches and the same tp, dp=2 and dp=1 compute the same sum of two gradients
+(a + b == b + a), and the loss curve of a run resumed on (dp=1, tp=2) is bit-identical to that of
+an uninterrupted (dp=2, tp=2) run.
+
+--out FILE: at the end rank 0 writes the final model and optimizer state as whole tensors
+(trainguard.save_state: safetensors, no pickle), so that runs on any layout can be compared.
 """
 
 import argparse
 import os
+import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +41,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -39,18 +49,21 @@ from torch.distributed.tensor.parallel import (
 )
 
 import trainguard
-from trainguard.checkpoint import list_checkpoints, read_manifest
 from trainguard.train import parallel_strategy
 
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the LM head's output is a view; no in-place op follows
 PREFIX = "transformer"
 SOURCES = ("argparse.py", "inspect.py", "typing.py", "dataclasses.py", "functools.py")
 
 # --- arguments -----------------------------------------------------------------
 parser = argparse.ArgumentParser()
-parser.add_argument("--dp", type=int, default=2, help="data-parallel degree")
+parser.add_argument("--dp", type=int, default=2, help="data-parallel degree (the layout dp<dp>xtp<tp>)")
 parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree; dp x tp must be the world size")
+parser.add_argument("--layout", default="", help="dpAxtpB, fsdpN or hsdpRxS (instead of --dp/--tp)")
 parser.add_argument("--steps", type=int, default=40, help="train until this global step")
-parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step, spread over dp")
+parser.add_argument("--micro-batches", type=int, default=0,
+                    help="micro-batches per step, spread over the data ranks (default: 2 for dp x tp, else one per "
+                         "data rank)")
 parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
 parser.add_argument("--seq-len", type=int, default=64)
 parser.add_argument("--d-model", type=int, default=64)
@@ -62,26 +75,42 @@ parser.add_argument("--ckpt-dir", default="", help=f"save checkpoints here as {P
 parser.add_argument("--save-steps", type=int, default=10)
 parser.add_argument("--integrated", action="store_true", help="save whole tensors (one file) instead of slices")
 parser.add_argument("--resume", action="store_true", help="go on from the newest complete checkpoint in --ckpt-dir")
+parser.add_argument("--snapshot-every", type=int, default=0,
+                    help="steps between in-memory copies (default: as often as costs at most 3%% of the time)")
+parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model lives (cuda: every process on its local GPU, or sharing one)")
+parser.add_argument("--out", default="", help="rank 0 writes the final model and optimizer state here")
 args = parser.parse_args()
-for flag in ("dp", "tp", "steps", "micro_batches", "batch_size", "log_every", "save_steps"):
+for flag in ("dp", "tp", "steps", "batch_size", "log_every", "save_steps"):
     if getattr(args, flag) < 1:
         parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-if args.heads % args.tp or args.d_model % args.heads:
-    parser.error(f"--heads {args.heads} must divide --d-model {args.d_model} and be divisible by --tp {args.tp}")
-if args.micro_batches % args.dp:
-    parser.error(f"--micro-batches {args.micro_batches} must be divisible by --dp {args.dp}")
 if args.resume and not args.ckpt_dir:
     parser.error("--resume needs --ckpt-dir")
 
-# --- cluster: a (dp, tp) mesh, tp fastest --------------------------------------------
+match = re.fullmatch(r"dp(\d+)xtp(\d+)|fsdp(\d+)|hsdp(\d+)x(\d+)", args.layout or f"dp{args.dp}xtp{args.tp}")
+if not match or not all(int(g) >= 1 for g in match.groups() if g is not None):
+    parser.error(f"--layout {args.layout!r}: use dpAxtpB, fsdpN or hsdpRxS with degrees >= 1, e.g. dp2xtp2")
+dp_, tp_, fsdp_, rep_, shard_ = (int(g) if g else 0 for g in match.groups())
+if dp_:
+    KIND, TP, DATA = "dpxtp", tp_, dp_
+    SPEC = trainguard.MeshSpec((dp_, tp_), ("dp", "tp"), replicate=("dp",))
+elif fsdp_:
+    KIND, TP, DATA = "fsdp", 1, fsdp_
+    SPEC = trainguard.MeshSpec((fsdp_,), ("fsdp",))
+else:
+    KIND, TP, DATA = "hsdp", 1, rep_ * shard_
+    SPEC = trainguard.MeshSpec((rep_, shard_), ("replicate", "shard"), replicate=("replicate",))
+MICRO = args.micro_batches or (2 if KIND == "dpxtp" else DATA)
+if MICRO % DATA or (KIND != "dpxtp" and MICRO != DATA):
+    parser.error(f"--micro-batches {MICRO}: must be a multiple of the {DATA} data ranks (with FSDP: one per data "
+                 "rank)")
+if args.heads % TP or args.d_model % args.heads:
+    parser.error(f"--heads {args.heads} must divide --d-model {args.d_model} and be divisible by tp={TP}")
+
 trainguard.init()
 rank, world = trainguard.get_rank(), trainguard.get_world_size()
-if args.dp * args.tp != world:
-    raise trainguard.ConfigError(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}, but the job has {world} "
-                                 f"workers; pick dp and tp whose product is {world}")
-mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
-dp_rank, dp_group = mesh.get_local_rank("dp"), mesh.get_group("dp")
-torch.manual_seed(0)
+SPEC.check_world(world)
+torch.manual_seed(0)  # the job's seed (every step re-seeds from it, the rank and the step): the same in every run
 
 # --- data: standard-library sources as bytes, a fixed 90/10 split ------------------------
 lib = os.path.dirname(os.__file__)
@@ -130,28 +159,34 @@ class CharLM(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(256, args.d_model)
         self.pos = nn.Embedding(args.seq_len, args.d_model)
-        self.blocks = nn.ModuleList(Block(args.d_model, args.heads, args.tp) for _ in range(args.layers))
+        self.blocks = nn.ModuleList(Block(args.d_model, args.heads, TP) for _ in range(args.layers))
         self.ln = nn.LayerNorm(args.d_model)
         self.head = nn.Linear(args.d_model, 256)
 
     def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
 
 
-model = CharLM()
-plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.out": RowwiseParallel(), "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-for block in model.blocks:
-    parallelize_module(block, mesh["tp"], plan)
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+def build(mesh):
+    """The modules and optimizer for this generation's mesh: trainguard calls it at the start and after
+    every regroup, then fills them with the job's state."""
+    torch.manual_seed(0)
+    model = CharLM().to(args.device)  # initialised on the CPU: the same values on every device
+    if KIND == "dpxtp":
+        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.out": RowwiseParallel(), "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], plan)
+    else:
+        from torch.distributed.fsdp import fully_shard
 
-
-def train_state() -> dict:
-    # DTensors are saved as the slices each rank holds; the RNG is unused here (no dropout), but kept
-    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": torch.get_rng_state()}
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
 
 def layout_name(doc: dict | None) -> str:
@@ -159,62 +194,60 @@ def layout_name(doc: dict | None) -> str:
     return " x ".join(f"{n}={s}" for n, s in zip(mesh.get("dim_names", ()), mesh.get("shape", ()))) or "unknown"
 
 
-# --- resume from the newest complete checkpoint, saved on any layout ---------------------------
-start = 0
-found = list_checkpoints(Path(args.ckpt_dir), PREFIX) if args.resume else []
-layout = parallel_strategy.describe(model, world, mesh=mesh)
-if found:
-    previous = parallel_strategy.read(Path(args.ckpt_dir))  # the layout the checkpoints were written with
-    if rank == 0 and previous is not None and previous["world_size"] != world:
+# --- the job: live recovery, in-memory copies, sliced checkpoints ----------------------------
+ckpt = trainguard.ShardedCheckpoints(args.ckpt_dir, PREFIX, every=args.save_steps, integrated=args.integrated,
+                                     resume=args.resume) if args.ckpt_dir else None
+previous = parallel_strategy.read(Path(args.ckpt_dir)) if ckpt is not None and args.resume else None
+job = trainguard.ShardedJob(build, SPEC, max_steps=args.steps, checkpoints=ckpt,
+                            snapshot_every=args.snapshot_every or None, device=args.device)
+job.start()  # fresh, from disk (--resume), or, for a replacement, from a replica or a buddy's copy
+layout = parallel_strategy.describe(job.model, world, mesh=job.mesh)
+if rank == 0 and job.source_kind == "disk":
+    if previous is not None and previous["world_size"] != world:
         print(f"the device count changed ({previous['world_size']} -> {world}): resharding from "
               f"{layout_name(previous)} to {layout_name(layout)}", flush=True)
-    folder = found[-1].path
-    trainguard.init_optimizer_state(optimizer)  # the optimizer's tensors must exist to be loaded into
-    loaded = trainguard.load_sharded(folder, train_state())  # fills this layout's slices in place
-    model.load_state_dict(loaded["model"])  # and these restore the rest (AdamW's hyperparameters)
-    optimizer.load_state_dict(loaded["optim"])
-    torch.set_rng_state(loaded["rng"])
-    start = read_manifest(folder)["append_info"]["step"]
-    if rank == 0:
-        print(f"resumed from {folder} at step {start} on dp={args.dp} x tp={args.tp}", flush=True)
-elif args.resume and rank == 0:
+    where = f"dp={DATA} x tp={TP}" if KIND == "dpxtp" else SPEC.describe()
+    print(f"resumed from {ckpt.folder(job.step)} at step {job.step} on {where}", flush=True)
+elif args.resume and rank == 0 and job.step == 0:
     print(f"no complete checkpoint in {args.ckpt_dir}; starting from step 0", flush=True)
-if args.ckpt_dir and rank == 0:  # strategy.json: this run's layout, next to the checkpoints it writes
+if ckpt is not None and rank == 0:  # strategy.json: this run's layout, next to the checkpoints it writes
     parallel_strategy.write(layout, [Path(args.ckpt_dir)])
 
-
-def save(step: int) -> None:
-    folder = Path(args.ckpt_dir, f"{PREFIX}-1_{step}")
-    if not (folder / "manifest.json").exists():
-        trainguard.save_sharded(folder, train_state(), step=step, epoch=1, integrated=args.integrated,
-                                append_info={"step": step})
-
-
-# SIGTERM / SIGINT / SIGUSR1: every rank stops at the same step and saves a dying-gasp checkpoint
-stop = trainguard.GracefulStop()
-
 # --- train -----------------------------------------------------------------------------------
-per_rank = args.micro_batches // args.dp
-for step in range(start + 1, args.steps + 1):
-    optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros(())
-    for i in range(per_rank):
-        x, y = micro_batch(step, dp_rank * per_rank + i)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()  # gradients of the micro-batches add up in .grad
-        loss_sum += loss.detach()
-    with torch.no_grad():  # data parallel: sum over the dp group, then the mean over all micro-batches
-        for p in model.parameters():
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(grad, group=dp_group)
-            grad.div_(args.micro_batches)
-        dist.all_reduce(loss_sum, group=dp_group)
-    optimizer.step()
+per_rank = MICRO // DATA
+for step in job.steps():  # SIGTERM / SIGINT / SIGUSR1: every rank stops at one step, saves, exits 75
+    with step:  # a failed collective (a peer died) is caught here; the job recovers and goes on
+        model, optimizer, mesh = job.model, job.optimizer, job.mesh
+        data_rank = mesh.get_local_rank("dp") if KIND == "dpxtp" else rank
+        data_group = mesh.get_group("dp") if KIND == "dpxtp" else None
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=args.device)
+        for i in range(per_rank):
+            x, y = (t.to(args.device) for t in micro_batch(step.number, data_rank * per_rank + i))
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()  # gradients of the micro-batches add up in .grad (FSDP: averaged over the mesh)
+            loss_sum += loss.detach()
+        with torch.no_grad():
+            if KIND == "dpxtp":  # data parallel: sum over the dp group, then the mean over all micro-batches
+                for p in model.parameters():
+                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(grad, group=data_group)
+                    grad.div_(MICRO)
+            dist.all_reduce(loss_sum, group=data_group)
+        optimizer.step()  # the commit point
+    if rank == 0 and step.failure is None and step.number % args.log_every == 0:
+        loss = np.float32((loss_sum / MICRO).item())
+        print(f"epoch: 1 step: {step.number}, loss is {str(loss)}", flush=True)
 
-    if rank == 0 and step % args.log_every == 0:
-        loss = np.float32((loss_sum / args.micro_batches).item())
-        print(f"epoch: 1 step: {step}, loss is {str(loss)}", flush=True)
-    if args.ckpt_dir and step % args.save_steps == 0:
-        save(step)
-    if stop.requested(step):  # one all-reduce: some rank was signalled
-        stop.exit(step, lambda: save(step) if args.ckpt_dir else None)
+
+def whole(v):
+    """A tensor whole and on the host (a DTensor is gathered: a collective, so every rank calls it)."""
+    return (v.full_tensor() if isinstance(v, DTensor) else v).cpu() if isinstance(v, torch.Tensor) else v
+
+
+if args.out:  # whole tensors, gathered by every rank, written by rank 0
+    final = {"model": {k: whole(v) for k, v in job.model.state_dict().items()},
+             "optim": {str(i): {k: whole(v) for k, v in s.items()}
+                       for i, s in job.optimizer.state_dict()["state"].items()}}
+    if trainguard.get_rank() == 0:
+        trainguard.save_state(args.out, final)

@@ -40,6 +40,7 @@ _LAZY = {
     "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",
     "save_sharded": "checkpoint.sharded", "load_sharded": "checkpoint.reshard",
     "init_optimizer_state": "checkpoint.reshard", "recover_rank": "checkpoint.replicas",
+    "ShardedJob": "train.shardjob", "MeshSpec": "meshspec", "ShardedCheckpoints": "train.shardckpt",
 }
 # MindSpore-style names (compat/mindspore.py), reachable here too for scripts written before it
 _MINDSPORE = ("Callback", "CheckpointConfig", "ExceptionCheckpoint", "LossMonitor", "Model", "ModelCheckpoint",
