@@ -1,0 +1,77 @@
+"""What live recovery costs a sharded job: FSDP2 under `trainguard.ShardedJob` (`trainguard run`, its
+defaults: a hot spare, in-memory buddy copies at the 3% rule's cadence, the per-step stop vote)
+against plain torchrun + the same FSDP2 loop, bench/fsdp_step.py, on 2 and 4 workers. The two
+setups alternate, --runs times each; each run reports its mean step time over the steps after the
+warm-up (a mean, so that the steps that start an in-memory copy count; the timed steps span several
+copy intervals), and a cell's figure is the median over the runs. The warm-up (about 5 s) covers start-up work
+that is not a per-step cost: torch's first iterations, and the hot spare importing torch.
+
+    python bench/sharded_overhead.py [--runs 5] [--cells 1m:2,5m:4]
+"""
+
+import argparse
+import re
+import statistics
+import sys
+import time
+
+from overhead import run, torchrun, trainguard
+
+STEP_TIME = re.compile(r"mean step time: ([0-9.]+) ms, median [0-9.]+ ms \((\d+) steps after \d+ warm-up(?:, an in-memory copy "
+                       r"every (\d+) steps)?\)")
+CELLS = {("1m", 2): (120, 100), ("1m", 4): (60, 60), ("5m", 2): (35, 180), ("5m", 4): (20, 120)}  # (warm-up, timed)
+
+
+def one(cmd: list[str]) -> tuple[float, int | None]:
+    found = STEP_TIME.findall(run(cmd))
+    if len(found) != 1:
+        sys.exit(f"expected one step time from {' '.join(cmd)}")
+    ms, _, every = found[0]
+    return float(ms), int(every) if every else None
+
+
+def parse_cells(text: str) -> list[tuple[str, int]]:
+    cells = []
+    for item in filter(None, text.split(",")):
+        params, _, workers = item.partition(":")
+        if (params, int(workers or 0)) not in CELLS:
+            raise argparse.ArgumentTypeError(f"unknown cell {item!r}; known: " + ", ".join(f"{p}:{w}" for p, w in CELLS))
+        cells.append((params, int(workers)))
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5, help="runs of each setup per cell")
+    parser.add_argument("--cells", type=parse_cells, default=list(CELLS), help="e.g. 1m:2,5m:4 (default: all four)")
+    args = parser.parse_args()
+    started = time.monotonic()
+    rows = []
+    for params, workers in args.cells:
+        warmup, steps = CELLS[params, workers]
+        flags = ["--params", params, "--warmup", str(warmup), "--steps", str(steps)]
+        tg, plain, every = [], [], []
+        for i in range(args.runs):
+            first, second = (0, 1) if i % 2 == 0 else (1, 0)  # which setup goes first alternates too
+            for which in (first, second):
+                if which == 0:
+                    ms, n = one(trainguard(workers, "bench/fsdp_step.py", *flags, "--trainguard"))
+                    tg.append(ms)
+                    every.append(n)
+                else:
+                    plain.append(one(torchrun(workers, "bench/fsdp_step.py", *flags))[0])
+            print(f"FSDP2 {params} x {workers} run {i + 1}: trainguard {tg[-1]:.2f} ms (a copy every {every[-1]} "
+                  f"steps), plain {plain[-1]:.2f} ms", flush=True)
+        if any(n and 2 * n > steps for n in every):
+            print(f"note: fewer than two in-memory copies fell in the {steps} timed steps of {params} x {workers}; "
+                  "raise its timed steps in CELLS", flush=True)
+        rows.append((f"{params.upper()} x {workers}", statistics.median(tg), statistics.median(plain), every))
+    print(f"\nFSDP2, median of {args.runs} runs each, alternating; step time in ms")
+    print(f"{'cell':<10} {'trainguard':>10} {'plain':>9} {'ratio':>6}  copy every (steps, per run)")
+    for cell, a, b, every in rows:
+        print(f"{cell:<10} {a:>10.2f} {b:>9.2f} {a / b:>6.3f}  {every}")
+    print(f"took {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
