@@ -24,9 +24,10 @@ import json
 import os
 import sys
 import time
+from typing import NoReturn
 
 from ..config import LOG_LEVEL_ENV
-from .worker_main import run_script, script_path
+from .worker_main import run_and_exit, script_path
 
 # torch._dynamo: the first optimizer a process builds imports it (about 1.1 s of a 2 s recovery here)
 WORKER_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
@@ -82,7 +83,7 @@ def preload(script: str, script_dir: str) -> tuple[list[str], list[str]]:
     return loaded, failures
 
 
-def _become(script: str, argv: list[str], env: dict[str, str]) -> None:
+def _become(script: str, argv: list[str], env: dict[str, str]) -> NoReturn:
     """Take on the worker's environment and arguments and run the script as its __main__ (worker_main.py)."""
     os.environ.clear()
     os.environ.update(env)
@@ -90,7 +91,7 @@ def _become(script: str, argv: list[str], env: dict[str, str]) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)  # a fresh worker's stdin is /dev/null too
     os.dup2(devnull, 0)
     os.close(devnull)
-    run_script(script)
+    run_and_exit(script)
 
 
 def main(argv: list[str] | None = None) -> int:
