@@ -12,7 +12,7 @@ the named step commits, in the named incarnation):
 - fsdp4: no replica at all. Rank 2 dies (its copy is on its buddy, rank 3); later ranks 1 and 2 die
   at once, and rank 1's copy died with rank 2: the job goes back to the checkpoint on disk.
 
-In every faulty run the final model and optimizer state (`--out`, whole tensors) is torch.equal to
+The faulty runs keep a hot spare, as a user would. In every faulty run the final model and optimizer state (`--out`, whole tensors) is torch.equal to
 the uninterrupted run's, the recovery line names each source, and the collective timeout is 300 s
 while every recovery must finish within 15 s: a survivor that waited for a collective to time out
 would fail the test.
@@ -37,9 +37,10 @@ SMALL = ("--steps", str(STEPS), "--log-every", "1", "--d-model", "32", "--heads"
 RESTORED = re.compile(r"regrouped and restored in ([0-9.]+) s")
 
 
-def run(tmp, layout: str, name: str, faults: str = "", *extra: str, workers: int = 4, **more_env) -> tuple[dict, str]:
+def run(tmp, layout: str, name: str, faults: str = "", *extra: str, workers: int = 4, spares: str = "0",
+        **more_env) -> tuple[dict, str]:
     out = tmp / f"{name}.safetensors"
-    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--hot-spares", "0",
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--hot-spares", spares,
            "examples/transformer_tp.py", "--layout", layout, *SMALL, "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env(TG_FAULT=faults, TG_COLLECTIVE_TIMEOUT="300", **more_env),
                           capture_output=True, text=True, timeout=200)
@@ -90,7 +91,7 @@ def test_kill_9_rounds_are_recovered_live_and_bit_identical(layout, tmp_path):
     want, _ = run(tmp_path, layout, "uninterrupted")
     if extra:
         extra = (*extra, "--ckpt-dir", str(tmp_path / "ckpt"))
-    got, log = run(tmp_path, layout, "faulty", faults, *extra)
+    got, log = run(tmp_path, layout, "faulty", faults, *extra, spares="1")
     assert log.count("was killed by signal SIGKILL") == 3, log[-4000:]
     for line in lines:
         assert line in log, f"{line!r} not in the log:\n{log[-4000:]}"
