@@ -204,6 +204,12 @@ class ShardedJob:
 
     # --- in-memory copies -------------------------------------------------------------------
 
+    def restart_cadence(self) -> None:
+        """After a restore: every rank starts the cadence afresh (a replacement knows no history, and ranks
+        that disagree on the snapshot steps would call different collectives)."""
+        self._every = self._fixed_every or FIRST_EVERY
+        self._snap_wait = 0.0
+
     def snapshot_round(self, *, agreed: bool = False) -> None:
         """At a snapshot step: agree on the cadence (skip if some rank's last round is still in flight), take
         this rank's copy, and hand it to the exchange thread. Every rank calls it at the same steps."""

@@ -178,6 +178,7 @@ class Recovery:
         if rt.rank == 0:
             rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.get("from_step"),
                            fresh=decision.get("fresh", False))
+        job.restart_cadence()
         job.snapshot_round(agreed=True)  # every rank, at once: a copy of the step everyone now holds
 
     def _transfer(self, s: int, sources: dict, live: dict | None) -> bytes | None:
