@@ -12,7 +12,7 @@ the named step commits, in the named incarnation):
 - fsdp4: no replica at all. Rank 2 dies (its copy is on its buddy, rank 3); later ranks 1 and 2 die
   at once, and rank 1's copy died with rank 2: the job goes back to the checkpoint on disk.
 
-The faulty runs keep a hot spare, as a user would. In every faulty run the final model and optimizer state (`--out`, whole tensors) is torch.equal to
+In every faulty run the final model and optimizer state (`--out`, whole tensors) is torch.equal to
 the uninterrupted run's, the recovery line names each source, and the collective timeout is 300 s
 while every recovery must finish within 15 s: a survivor that waited for a collective to time out
 would fail the test.
@@ -92,7 +92,7 @@ def test_kill_9_rounds_are_recovered_live_and_bit_identical(layout, tmp_path):
     want, _ = run(tmp_path, layout, "uninterrupted", "", *extra)
     if "--save-steps" in extra:
         extra = (*extra, "--ckpt-dir", str(tmp_path / "ckpt"))
-    got, log = run(tmp_path, layout, "faulty", faults, *extra, spares="1")
+    got, log = run(tmp_path, layout, "faulty", faults, *extra)
     assert log.count("was killed by signal SIGKILL") == 3, log[-4000:]
     for line in lines:
         assert line in log, f"{line!r} not in the log:\n{log[-4000:]}"
