@@ -22,8 +22,9 @@ An error wrapped in another type (`raise RuntimeError(...) from exc`) is classif
 The process ends as the interpreter would end it, without the teardown of its modules: once the
 script is over, its non-daemon threads are joined, the atexit handlers run, every open file is
 flushed (those the script left open too), and `os._exit` ends it with the script's exit code. As
-Python itself says, `__del__` of objects alive at the end need not run. Tearing down torch's modules costs about 0.8 s of CPU per process, for
-nothing: seconds at the end of every job whose ranks share cores, and of every test here.
+Python itself says, `__del__` of objects alive at the end need not run. Tearing down torch's
+modules costs about 0.8 s of CPU per process, for nothing: seconds at the end of every job whose
+ranks share cores, and of every test here.
 """
 
 from __future__ import annotations
