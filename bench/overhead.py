@@ -84,13 +84,15 @@ def tutorial_run(launcher, script: str) -> float:
     return statistics.median(epochs[e] for e in range(1, TUTORIAL_EPOCHS))
 
 
-def parse_cells(text: str) -> list[tuple[str, int]]:
+def parse_cells(text: str, known=None) -> list[tuple[str, int]]:
+    """"1m:2,5m:4" -> [("1m", 2), ("5m", 4)], each one of `known` (default: this benchmark's CELLS)."""
+    known = CELLS if known is None else known
     cells = []
     for item in filter(None, text.split(",")):
         params, _, workers = item.partition(":")
-        if (params, int(workers or 0)) not in CELLS:
+        if (params, int(workers or 0)) not in known:
             raise argparse.ArgumentTypeError(f"unknown cell {item!r}; known: "
-                                             + ", ".join(f"{p}:{w}" for p, w in CELLS))
+                                             + ", ".join(f"{p}:{w}" for p, w in known))
         cells.append((params, int(workers)))
     return cells
 

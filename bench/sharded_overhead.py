@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from overhead import run, torchrun, trainguard
+from overhead import parse_cells, run, torchrun, trainguard
 
 STEP_TIME = re.compile(r"mean step time: ([0-9.]+) ms, median [0-9.]+ ms \((\d+) steps after \d+ warm-up(?:, an in-memory copy "
                        r"every (\d+) steps)?\)")
@@ -30,20 +30,10 @@ def one(cmd: list[str]) -> tuple[float, int | None]:
     return float(ms), int(every) if every else None
 
 
-def parse_cells(text: str) -> list[tuple[str, int]]:
-    cells = []
-    for item in filter(None, text.split(",")):
-        params, _, workers = item.partition(":")
-        if (params, int(workers or 0)) not in CELLS:
-            raise argparse.ArgumentTypeError(f"unknown cell {item!r}; known: " + ", ".join(f"{p}:{w}" for p, w in CELLS))
-        cells.append((params, int(workers)))
-    return cells
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5, help="runs of each setup per cell")
-    parser.add_argument("--cells", type=parse_cells, default=list(CELLS), help="e.g. 1m:2,5m:4 (default: all four)")
+    parser.add_argument("--cells", type=lambda text: parse_cells(text, CELLS), default=list(CELLS), help="e.g. 1m:2,5m:4 (default: all four)")
     args = parser.parse_args()
     started = time.monotonic()
     rows = []
