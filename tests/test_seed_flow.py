@@ -149,8 +149,9 @@ def job(tmp_path: Path):
             j.cleanup()
 
 
-def assert_all_finished(job: Job, killed: str) -> None:
-    assert job.codes[killed][0] == -signal.SIGKILL
+def assert_all_finished(job: Job, *killed: str) -> None:
+    for name in killed:
+        assert job.codes[name][0] == -signal.SIGKILL
     final = {name: codes[-1] for name, codes in job.codes.items()}
     assert final == {"worker_0": 0, "worker_1": 0, "scheduler": 0}, f"exit codes {job.codes}\n{job.logs()}"
     for rank in (0, 1):
@@ -158,27 +159,22 @@ def assert_all_finished(job: Job, killed: str) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_worker_killed_and_recovered_by_script(job: Job) -> None:
+def test_worker_then_scheduler_killed_and_each_recovered_by_script(job: Job) -> None:
+    """One job, two faults: worker 1 is killed in epoch 1 and brought back by recover.sh; in epoch 2 the
+    scheduler is killed and brought back by recover.sh. Every process ends with 0."""
     job.start()
     job.wait_for_log("worker_1", "epoch: 1 step:")
     job.kill("worker_1")
     assert "test accuracy" not in job.log("worker_1"), "worker 1 finished before it could be killed"
     job.recover("worker", "1")
+    job.wait_for_log("worker_1", "epoch: 2 step:")
+    job.kill("scheduler")
+    assert "all 2 workers finished" not in job.log("scheduler"), "the job ended before the scheduler was killed"
+    job.recover("scheduler")
     job.wait_all()
-    assert_all_finished(job, "worker_1")
+    assert_all_finished(job, "worker_1", "scheduler")
     assert "resumed at step" in job.log("worker_0"), job.logs()  # the survivor regrouped without restarting
     assert job.log("worker_1").startswith("epoch: 1 step: 20,")  # the replacement appended to the same log
     assert (job.cwd / "recovery" / "cluster.db").exists() and (job.cwd / "ckpt_of_rank").is_dir()
-
-
-@pytest.mark.timeout(90)
-def test_scheduler_killed_and_recovered_by_script(job: Job) -> None:
-    job.start()
-    job.wait_for_log("worker_1", "epoch: 1 step:")
-    job.kill("scheduler")
-    assert "all 2 workers finished" not in job.log("scheduler")
-    job.recover("scheduler")
-    job.wait_all()
-    assert_all_finished(job, "scheduler")
     assert "resumed" in job.log("scheduler"), job.logs()  # the new scheduler reloaded ./recovery/cluster.db
     assert "scheduler started" in job.log("scheduler")  # appended to the first one's log
