@@ -101,15 +101,25 @@ def test_spare_runs_the_script_like_python_does(tmp_path: Path) -> None:
 
 def test_a_worker_ends_as_python_would_without_tearing_down_its_modules(tmp_path: Path) -> None:
     """worker_main ends with os._exit after the script: what the interpreter's own end would do must
-    still happen (threads joined, open files flushed, atexit handlers run, the exit code or message)."""
+    still happen (threading's exit hooks run, threads joined, open files flushed, atexit handlers run, the
+    exit code or message). A threading exit hook is how a checkpoint's last save, written by a daemon
+    thread, is waited for (train/checkpointing.py): without it, the save was cut."""
     script = _script(tmp_path, """
         import atexit, sys, threading, time
+        from trainguard.train.checkpointing import when_main_thread_ends
         log = open("unclosed.txt", "w")
         log.write("written, never closed")
         def late():
             time.sleep(0.3)
             print("thread done", flush=True)
         threading.Thread(target=late).start()
+        saved = threading.Event()
+        def save():
+            time.sleep(0.3)
+            print("save done", flush=True)
+            saved.set()
+        threading.Thread(target=save, daemon=True).start()
+        when_main_thread_ends(saved.wait, 10)  # as ModelCheckpoint waits for its last save
         atexit.register(lambda: print("atexit ran"))
         print("buffered, no flush", end="")
         sys.exit(sys.argv[1] if sys.argv[1:] else None)
@@ -118,7 +128,9 @@ def test_a_worker_ends_as_python_would_without_tearing_down_its_modules(tmp_path
         proc = subprocess.run([sys.executable, "-m", "trainguard.launch.worker_main", str(script), *arg],
                               cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=30)
         assert (proc.returncode, proc.stderr) == (code, err), proc.stderr
-        assert proc.stdout == "buffered, no flushthread done\natexit ran\n"
+        assert proc.stdout.startswith("buffered, no flush") and proc.stdout.endswith("atexit ran\n"), proc.stdout
+        assert sorted(proc.stdout[len("buffered, no flush"):].splitlines()) == ["atexit ran", "save done",
+                                                                              "thread done"], proc.stdout
         assert (tmp_path / "unclosed.txt").read_text() == "written, never closed"
 
 

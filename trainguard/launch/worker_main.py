@@ -111,9 +111,7 @@ def end_process(code) -> NoReturn:
         print(code, file=sys.stderr)
         status = 1
     try:
-        for thread in threading.enumerate():  # as the interpreter does: wait for the script's own threads
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
+        wait_for_threads()
         gc.collect()  # what the script no longer holds goes now (open files in it are flushed and closed)
         atexit._run_exitfuncs()  # trainguard's goodbye, logging's flush, multiprocessing's clean-up, the script's
         flush_open_files()  # what the interpreter's teardown would flush: files the script left open
@@ -124,6 +122,19 @@ def end_process(code) -> NoReturn:
             except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
                 pass
         os._exit(status)
+
+
+def wait_for_threads() -> None:
+    """What the interpreter's end does first (Py_FinalizeEx calls threading._shutdown): threading's exit hooks,
+    which wait for work still in a daemon thread (a checkpoint's last save: train/checkpointing.py), then the
+    script's own threads, joined. Without the hooks, os._exit cut that save half-committed."""
+    shutdown = getattr(threading, "_shutdown", None)  # CPython's own; absent elsewhere
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
 
 
 FILES = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)

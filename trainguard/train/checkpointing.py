@@ -90,7 +90,7 @@ class _Save:
         return jobsave.temp_for(self.folder, self.step, self.sid)
 
 
-def _at_exit(func, *args) -> None:
+def when_main_thread_ends(func, *args) -> None:
     """Run func(*args) when the main thread ends, before the interpreter refuses new work to
     threads (threading's own exit hooks run before atexit's; fall back to atexit)."""
     register = getattr(threading, "_register_atexit", None)
@@ -164,7 +164,7 @@ class ModelCheckpoint:
         snap = session.capture()  # the private copy is all an async save blocks on
         if not self._exit_hook:  # a process leaving normally lets its last save finish
             self._exit_hook = True
-            _at_exit(self.settle, EXIT_PATIENCE_S)
+            when_main_thread_ends(self.settle, EXIT_PATIENCE_S)
         self._events = getattr(session.rt, "events", None)
         job = self._job(snap, session.rt.rank, session.steps_per_epoch, session.rt.world_size)
         self._writer.settle(None)  # back-pressure: one save at a time
