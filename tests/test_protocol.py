@@ -131,6 +131,22 @@ def test_invalid_msgpack(payload):
         p.decode_request(payload)
 
 
+def test_the_container_budget_holds_on_both_sides_of_its_fast_path():
+    """Every map and array takes a byte at least, so a payload of at most MAX_REQUEST_OBJECTS bytes is decoded
+    without counting its containers; a longer one is counted, and one container over the budget is refused."""
+    def maps_in_an_array(n: int) -> bytes:
+        return b"\xdd" + struct.pack("!I", n) + b"\x80" * n  # array32 of n empty fixmaps: n + 1 containers
+
+    budget = p.MAX_REQUEST_OBJECTS
+    cases = [(budget - 5, "invalid message"),  # exactly `budget` bytes: the fast path
+             (budget - 1, "invalid message"),  # counted: the budget exactly
+             (budget, "too many maps")]  # counted: one over
+    assert len(maps_in_an_array(budget - 5)) == budget
+    for maps, refusal in cases:
+        with pytest.raises(ProtocolError, match=refusal):
+            p.decode_request(maps_in_an_array(maps))
+
+
 def test_trailing_bytes_after_the_msgpack_object_are_refused():
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         p.decode_request(msgpack.packb({"type": "status"}) + b"\x00")

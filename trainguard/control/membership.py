@@ -292,8 +292,9 @@ def local_rank_of(cluster: Cluster, node: Node) -> int:
 
 def expired(cluster: Cluster, now: float, timeout: float) -> list[Node]:
     """Alive or not-yet-reattached nodes that have been silent longer than the heartbeat timeout."""
+    cutoff = now - timeout  # one float comparison first: most nodes are not silent (4 scans a second at 10,000)
     return [n for n in cluster.nodes.values()
-            if n.state in (NodeState.ALIVE, NodeState.UNKNOWN) and now - n.last_seen > timeout]
+            if n.last_seen < cutoff and n.state in (NodeState.ALIVE, NodeState.UNKNOWN)]
 
 
 def apply_finish(cluster: Cluster, node_id: str, stopped: bool = False, detail: str = "") -> None:
