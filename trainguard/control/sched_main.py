@@ -22,10 +22,11 @@ FULL_GC_EVERY = 100  # younger collections per full one (Python's default: 10)
 def tune_gc() -> None:
     """For a process whose heap is mostly long-lived (the scheduler: members and their connections; the
     simulated clients of bench/scheduler_scale.py). What exists now (modules, pydantic's schemas) is frozen
-    out of every collection, and a full collection waits for 100 younger ones instead of 10: at Python's
-    defaults, a registration storm of 10,000 ran six full collections of 50-300 ms, freeing next to nothing,
-    and each one a stall of every heartbeat in flight. Cyclic garbage (a closed connection) is still
-    collected, by the next full collection at the latest."""
+    out of every collection, and a full collection waits for 100 younger ones instead of 10. At Python's
+    defaults one run of a 10,000-worker storm logged six full collections of 50-300 ms, each freeing next to
+    nothing and each a stall of every heartbeat in flight (later runs, on a less loaded machine, did not
+    show them). Cyclic garbage (a closed connection) is still collected, by the next full collection at
+    the latest."""
     gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_GC_EVERY)

@@ -232,13 +232,14 @@ class Scheduler(RendezvousRequests, AgentRequests):
                 except (ValueError, TypeError, KeyError, OverflowError, ArithmeticError) as exc:  # a handler's bug
                     log.error("%s request from %s failed: %r", req.type, peer, exc)  # or a hostile value: answered
                     data = p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=f"{req.type}: {type(exc).__name__}"))
-                if self.commits.send(stream, data):  # no reply reveals a change before it is saved (commit.py)
-                    await stream.drain()
+                await self.commits.durable()  # no reply reveals a change before it is saved (commit.py)
+                stream.write(data)
+                await stream.drain()
         except ProtocolError as exc:
             log.warning("dropped connection from %s: %s", peer, exc)
-            try:  # after any reply still held for the save: the same queue keeps them in order
-                if self.commits.send(stream, p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=str(exc)))):
-                    await stream.drain()
+            try:
+                stream.write(p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=str(exc))))
+                await stream.drain()
             except (ConnectionError, OSError):
                 pass
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
@@ -246,7 +247,6 @@ class Scheduler(RendezvousRequests, AgentRequests):
         except asyncio.CancelledError:  # the server is shutting down at job end
             return
         finally:
-            await self.commits.settled()  # a reply held for the save goes out before the connection closes
             self._writers.discard(writer)
             bound = self._liveness.pop(id(stream), None)
             writer.close()
