@@ -38,10 +38,9 @@ EVERY_2 = ("--snapshot-every", "2")  # copies at known steps; hsdp2x2 keeps the 
 RESTORED = re.compile(r"regrouped and restored in ([0-9.]+) s")
 
 
-def run(tmp, layout: str, name: str, faults: str = "", *extra: str, workers: int = 4, spares: str = "0",
-        **more_env) -> tuple[dict, str]:
+def run(tmp, layout: str, name: str, faults: str = "", *extra: str, workers: int = 4, **more_env) -> tuple[dict, str]:
     out = tmp / f"{name}.safetensors"
-    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--hot-spares", spares,
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--hot-spares", "0",
            "examples/transformer_tp.py", "--layout", layout, *SMALL, "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env(TG_FAULT=faults, TG_COLLECTIVE_TIMEOUT="300", **more_env),
                           capture_output=True, text=True, timeout=200)

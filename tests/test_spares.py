@@ -242,6 +242,10 @@ def test_supervisor_restarts_a_worker_from_a_hot_spare(tmp_path: Path) -> None:
     assert not _spare_pids(script)  # no spare outlives the agent
 
 
+# --- configuration ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(5)
 def test_hot_spares_flag_and_env(tmp_path: Path) -> None:
     script = _script(tmp_path, "pass\n")
     parse = cli.build_parser().parse_args

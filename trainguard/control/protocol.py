@@ -300,8 +300,10 @@ class _Budget:
 def _decode(payload: bytes, adapter: TypeAdapter, max_objects: int):
     # every map and array takes at least one byte: a payload no longer than the budget cannot exceed it, and
     # is decoded without a Python call per container (heartbeats and registrations, thousands a second)
-    hooks = {} if len(payload) <= max_objects else {"object_hook": (budget := _Budget(max_objects)),
-                                                     "list_hook": budget}
+    hooks = {}
+    if len(payload) > max_objects:
+        budget = _Budget(max_objects)
+        hooks = {"object_hook": budget, "list_hook": budget}
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, **hooks)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
