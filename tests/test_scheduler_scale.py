@@ -148,3 +148,33 @@ def test_a_failed_save_is_not_acknowledged_and_is_retried_in_full():
         assert len(calls) == 2  # nothing to do now
 
     asyncio.run(main())
+
+
+def test_after_a_failed_save_every_reply_waits_for_a_save_that_succeeds():
+    """A connection asks `pending()` before each reply (control/conn.py). After a failed save a save is always
+    due, even with nothing new changed, so no reply that may reveal the unsaved change leaves before it is saved."""
+    from trainguard.control.commit import GroupCommit
+
+    calls: list[set[str] | None] = []
+
+    def save(touched):
+        calls.append(touched)
+        if len(calls) <= 2:
+            raise OSError(28, "No space left on device")
+
+    async def main() -> None:
+        commits = GroupCommit(save)
+        commits.changed(["3"])
+        first = commits.pending()
+        await asyncio.sleep(0)  # the save runs at the start of the loop's next pass
+        assert isinstance(first.exception(), OSError)
+        retry = commits.pending()  # nothing changed since, and still a save is due
+        assert retry is not None and retry is not first
+        await asyncio.sleep(0)
+        assert isinstance(retry.exception(), OSError) and calls == [{"3"}, None]
+        last = commits.pending()
+        await asyncio.sleep(0)
+        assert last.result() is None and calls == [{"3"}, None, None]
+        assert commits.pending() is None  # saved: nothing is due any more
+
+    asyncio.run(main())

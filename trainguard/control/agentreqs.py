@@ -13,14 +13,14 @@ from . import protocol as p
 
 
 class AgentRequests:
-    async def _on_agent_sync(self, req: p.AgentSync):
+    def _on_agent_sync(self, req: p.AgentSync):
         return self.agents.sync(req, time.monotonic(), self.cluster.job.value, self.cluster.root_cause)
 
-    async def _on_agent_place(self, req: p.AgentPlace):
+    def _on_agent_place(self, req: p.AgentPlace):
         over = self._job_over()
         return self.agents.place(req, time.monotonic(), over.message if over else "")
 
-    async def _on_host_beat(self, req: p.HostBeat):
+    def _on_host_beat(self, req: p.HostBeat):
         """The heartbeats of one host's workers, relayed by its agent (launch/relay.py): each counts as the
         worker's own heartbeat, sent `age_ms` ago; a beat for a worker of another host is refused."""
         now = time.monotonic()

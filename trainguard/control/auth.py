@@ -18,6 +18,9 @@ round trip, bench/control_plane.py), and Python's ssl has PSK only from 3.13. Al
 hide or protect the frames of an established connection from someone on the network path: turn
 TLS on for that (TG_ENABLE_SSL); neither touches gloo's traffic between workers (README, "Security").
 
+The scheduler's side runs in its connections (conn.py), with `hello` and `judge`; the client's is
+`client_handshake`.
+
 `trainguard run` gives its workers `worker_secret(job secret)` instead: the scheduler tells the two
 apart by which one the answer proves, and serves the agents' requests (AGENT_ONLY) only to a holder
 of the job secret itself.
@@ -25,14 +28,12 @@ of the job secret itself.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import ipaddress
 import os
 import socket
 import ssl
-from dataclasses import dataclass
 
 from ..errors import (
     AuthenticationFailed,
@@ -40,8 +41,7 @@ from ..errors import (
     SchedulerUnavailable,
     TrainguardError,
 )
-from .tls import client_failure, refusal
-from .tlsstream import TLSStream
+from .tls import client_failure
 
 MAGIC = b"TGA"
 VERSION = 1
@@ -52,7 +52,7 @@ TLS_GREETING = MAGIC + bytes([VERSION, TLS_FOLLOWS]) + bytes(NONCE)
 ANSWER_SIZE = NONCE + 32
 VERDICT_SIZE = 1 + 32
 AGENT_ONLY = frozenset({"agent_sync", "agent_place", "host_beat", "process_exited"})  # requests a worker may not send
-TIMEOUT_S = 5.0  # a client that has not answered the challenge by then is dropped
+TIMEOUT_S = 5.0  # a client that has not finished its TLS handshake, or answered the challenge, by then is dropped
 HINT = ("give every process of the job the same secret: TG_JOB_SECRET_FILE=path (or TG_JOB_SECRET); "
         "`trainguard run` writes its own to <recovery path>/job.secret")
 
@@ -82,43 +82,13 @@ def worker_secret(secret: bytes) -> bytes:
     return hmac.new(secret, b"TG-worker-secret", hashlib.sha256).hexdigest().encode()
 
 
-@dataclass(slots=True)
-class Admission:
-    refused: str  # "" if the peer may send frames, else why it may not
-    reader: object  # what to read frames from and write replies to from now on (with TLS: a TLSStream)
-    writer: object
-    agent: bool = False  # holds the job secret itself (an agent, the job's own tools), or there is none
-
-
-async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes | None,
-                 tls_context: ssl.SSLContext | None = None) -> Admission:
-    """The scheduler's side on a new connection."""
-    if tls_context is not None:
-        writer.write(TLS_GREETING)
-        stream = TLSStream(reader, writer, tls_context)
-        try:
-            await stream.handshake(TIMEOUT_S)
-        except (ssl.SSLError, TimeoutError, asyncio.TimeoutError, ConnectionError, EOFError, OSError) as exc:
-            return Admission(f"TLS: {refusal(exc)}", reader, writer)
-        reader, writer = stream, stream
-    greeting, nonce_s = hello(secret)
-    writer.write(greeting)
-    await writer.drain()
-    if secret is None:
-        return Admission("", reader, writer, agent=True)
-    drop = asyncio.get_running_loop().call_later(TIMEOUT_S, writer.close)  # no answer by then: dropped
-    try:  # (one timer handle per connection: the cheapest deadline asyncio has, and 10,000 connect at once)
-        answer = await reader.readexactly(ANSWER_SIZE)
-    except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
-        return Admission("no answer to the job-secret challenge", reader, writer)
-    finally:
-        drop.cancel()
-    verdict, agent = check_answer(secret, nonce_s, answer), True
-    if verdict[0] != 1:
-        verdict, agent = check_answer(worker_secret(secret), nonce_s, answer), False
-    writer.write(verdict)
-    await writer.drain()
-    return Admission("" if verdict[0] == 1 else "it does not hold the job secret", reader, writer, agent=agent)
+def judge(secret: bytes, nonce_s: bytes, answer: bytes) -> tuple[bytes, bool]:
+    """The scheduler's verdict on a client's answer, to send back, and whether the client is an agent (it
+    proved the job secret itself, not a worker's derived secret). The verdict's first byte is 1 if admitted."""
+    verdict = check_answer(secret, nonce_s, answer)
+    if verdict[0] == 1:
+        return verdict, True
+    return check_answer(worker_secret(secret), nonce_s, answer), False
 
 
 def client_handshake(sock: socket.socket, secret: bytes | None, where: str,

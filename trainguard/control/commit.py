@@ -2,9 +2,10 @@
 
 A handler that changes the cluster calls `changed()`; the save (one sqlite transaction, one fsync)
 runs once, at the start of the loop's next pass, for everything changed in this one. No reply leaves
-the scheduler before the changes it may reveal are durable: `_handle` awaits `durable()` before it
-writes each reply. So nothing acknowledged is lost when the scheduler is killed, and a storm of
-10,000 registrations costs a few hundred fsyncs instead of 10,000 (bench/scheduler_scale.py).
+the scheduler before the changes it may reveal are durable: a connection (conn.py) sends each reply
+only once `pending()`, the save due, has succeeded. So nothing acknowledged is lost when the scheduler
+is killed, and a storm of 10,000 registrations costs a few hundred fsyncs instead of 10,000
+(bench/scheduler_scale.py).
 
 The save runs in the loop's thread: while it fsyncs, new requests wait in the kernel's buffers and
 are handled together in the next pass, which is what makes the batches grow with the load.
@@ -61,6 +62,13 @@ class GroupCommit:
         self.commits += 1
         if pending is not None:
             pending.set_result(None)
+
+    def pending(self) -> asyncio.Future | None:
+        """The save every change made so far waits for, if one is due: its result is None, or the save's error.
+        After a failed save one is always due (it is retried), so no reply goes out until the state is saved."""
+        if self._failed and self._pending is None:
+            self.changed(None)
+        return self._pending
 
     async def durable(self) -> None:
         """Return once every change made so far is saved; raises the save's error if it failed."""

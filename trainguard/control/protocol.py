@@ -8,7 +8,6 @@ that closes that one connection and nothing more.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import socket
 import struct
@@ -335,32 +334,10 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-_timeout = getattr(asyncio, "timeout", None)
 FRAME_READ_TIMEOUT_S = 10.0  # a started frame must arrive whole by then (a half-sent frame holds nothing longer)
-TIMED_FRAME_BYTES = 64 * 1024  # frames above this are read under FRAME_READ_TIMEOUT_S; a smaller one stalled
-# holds at most this much (its connection counts against the scheduler's cap), and heartbeats and most requests
-# are small: a timer for each of them cost the scheduler about 5% of its CPU at 10,000 workers
-
-
-async def read_request(reader: asyncio.StreamReader):
-    """The next request on a scheduler connection: None at a clean end of the connection; ProtocolError for
-    a bad header, an oversized or stalled frame, or a payload that is not a valid request."""
-    try:
-        header = await reader.readexactly(HEADER.size)
-    except asyncio.IncompleteReadError:
-        return None
-    length = parse_header(header, MAX_REQUEST_BYTES)
-    try:
-        if length <= TIMED_FRAME_BYTES:
-            payload = await reader.readexactly(length)
-        elif _timeout is not None:  # Python >= 3.11: a deadline on this task; wait_for makes a task per frame
-            async with _timeout(FRAME_READ_TIMEOUT_S):
-                payload = await reader.readexactly(length)
-        else:
-            payload = await asyncio.wait_for(reader.readexactly(length), FRAME_READ_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise ProtocolError(f"a {length}-byte frame did not arrive within {FRAME_READ_TIMEOUT_S:g} s") from None
-    return decode_request(payload)
+TIMED_FRAME_BYTES = 64 * 1024  # frames above this are read under FRAME_READ_TIMEOUT_S (conn.py); a smaller one
+# stalled holds at most this much (its connection counts against the scheduler's cap), and heartbeats and most
+# requests are small: a timer for each of them cost the scheduler about 5% of its CPU at 10,000 workers
 
 
 def read_frame(sock: socket.socket) -> bytes:

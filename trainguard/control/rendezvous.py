@@ -36,7 +36,7 @@ class RendezvousRequests:
                 self._persist()
                 self.events.emit("generation_bumped", generation=c.generation, by=node.node_id)
             c.joined.add(node.node_id)
-            if await self._try_form():
+            if self._try_form():
                 continue
             gen = c.generation
             changed = await self._wait(lambda: c.formed or c.generation != gen or self._job_over() is not None
@@ -46,7 +46,7 @@ class RendezvousRequests:
                     f"waited {req.timeout:g} s for generation {c.generation} to form; "
                     f"missing: {fm.missing_for_formation(c)}"), retry=True)
 
-    async def _try_form(self) -> bool:
+    def _try_form(self) -> bool:
         """Form the pending generation if membership allows it now (elastic: maybe smaller)."""
         c = self.cluster
         if not fm.try_form(c, time.monotonic(), self.elastic_deadline):
@@ -56,7 +56,7 @@ class RendezvousRequests:
         size = fm.generation_size(c)
         log.info("generation %d formed with %d workers", c.generation, size)
         self.events.emit("generation_formed", generation=c.generation, world_size=size, members=list(c.members))
-        await self._notify()
+        self._notify()
         return True
 
     def _formed_reply(self, node: m.Node) -> p.Formed:
@@ -85,7 +85,7 @@ class RendezvousRequests:
                 self.elastic.finishing(c)
             self.events.emit(f"agreed_{req.purpose}", generation=req.generation, **{
                 k: v for k, v in decision.items() if k in ("step", "from_step", "error", "sources")})
-            await self._notify()
+            self._notify()
         ok = await self._wait(lambda: key in self._decisions or c.generation != req.generation
                               or self._job_over() is not None, time.monotonic() + req.timeout)
         if key in self._decisions:
@@ -96,7 +96,8 @@ class RendezvousRequests:
                 f"waited {req.timeout:g} s to agree on {req.purpose}; ranks reported: {have}"))
         return self._job_over() or fenced
 
-    async def _on_store(self, req: p.StoreOp):
+    def _on_store(self, req: p.StoreOp):
+        """The reply, or (a get or wait for keys not set yet) a coroutine that waits for them."""
         c = self.cluster
         if req.generation != c.generation:
             return p.Error(code=p.ErrorCode.FENCED, retry=True, message=(
@@ -107,15 +108,22 @@ class RendezvousRequests:
             return p.Error(code=p.ErrorCode.FENCED, message=(
                 f"the store of generation {req.generation} is for its members; {req.node_id!r} incarnation "
                 f"{req.incarnation} is not one (members: {', '.join(members)[:200]})"))
-        if req.op in ("get", "wait"):
-            keys = req.keys
-            ok = await self._wait(lambda: self.kv.has(req.generation, keys) or c.generation != req.generation,
-                                  time.monotonic() + req.timeout)
-            if c.generation != req.generation:
-                return p.Error(code=p.ErrorCode.FENCED, retry=True, message="generation changed during a store wait")
-            if not ok:
-                return p.Error(code=p.ErrorCode.TIMEOUT, message=f"store keys not set within {req.timeout:g} s: {keys}")
+        if req.op in ("get", "wait") and not self.kv.has(req.generation, req.keys):
+            return self._store_wait(req)
+        return self._store_apply(req)
+
+    async def _store_wait(self, req: p.StoreOp):
+        c, keys = self.cluster, req.keys
+        ok = await self._wait(lambda: self.kv.has(req.generation, keys) or c.generation != req.generation,
+                              time.monotonic() + req.timeout)
+        if c.generation != req.generation:
+            return p.Error(code=p.ErrorCode.FENCED, retry=True, message="generation changed during a store wait")
+        if not ok:
+            return p.Error(code=p.ErrorCode.TIMEOUT, message=f"store keys not set within {req.timeout:g} s: {keys}")
+        return self._store_apply(req)
+
+    def _store_apply(self, req: p.StoreOp):
         reply = self.kv.apply(req)
         if req.op in ("set", "add", "compare_set", "delete"):
-            await self._notify()
+            self._notify()
         return reply

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 from ..config import ClusterConfig, check_recovery_path
-from ..errors import ClusterStateError, ConfigError, ProtocolError
+from ..errors import ClusterStateError, ConfigError
 from ..exitcodes import EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..obs.events import EventLog
 from . import auth, tls
@@ -24,7 +24,9 @@ from . import membership as m
 from . import protocol as p
 from .agentreqs import AgentRequests
 from .agents import AgentBoard  # recover: where a dead worker starts again
+from .changes import Changes
 from .commit import GroupCommit
+from .conn import SchedulerConnection
 from .db import ClusterDB
 from .elastic import ElasticScheduling
 from .kvstore import KVStore
@@ -84,9 +86,9 @@ class Scheduler(RendezvousRequests, AgentRequests):
         self.agents = AgentBoard(PlacementPolicy.from_env(os.environ), self.events)
         self._agreements: dict[tuple[int, str], dict[int, dict]] = {}
         self._decisions: dict[tuple[int, str], dict] = {}
-        self._liveness: dict[int, tuple[str, int]] = {}  # id(writer) -> (node_id, incarnation)
-        self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed at job end
-        self._changed: asyncio.Condition | None = None
+        self._liveness: dict[int, tuple[str, int]] = {}  # id(connection) -> (node_id, incarnation)
+        self._conns: set[SchedulerConnection] = set()  # open connections, closed at job end
+        self._changes = Changes()  # what blocking requests wait on
         self._done: asyncio.Event | None = None
         self.port: int | None = None
         self.ready = threading.Event()
@@ -99,7 +101,6 @@ class Scheduler(RendezvousRequests, AgentRequests):
     # --- lifecycle ----------------------------------------------------------------
 
     async def serve(self) -> int:
-        self._changed = asyncio.Condition()
         self._done = asyncio.Event()
         drain_on_signals(self._done, self._nobody_left, self.cfg.grace_period)
         if auth.listen_policy(self.cfg.sched_host, self.cfg.secret, self.cfg.insecure):  # raises if refused
@@ -107,8 +108,9 @@ class Scheduler(RendezvousRequests, AgentRequests):
                         "to authenticate; `trainguard run` does it for you)", self.cfg.sched_host)
         self.tls_context = tls.scheduler_context(self.cfg.tls)  # a bad certificate ends the job here, at start
         try:
-            server = await asyncio.start_server(self._handle, self.cfg.sched_host, self.cfg.sched_port,
-                                                backlog=LISTEN_BACKLOG)
+            server = await asyncio.get_running_loop().create_server(
+                lambda: SchedulerConnection(self, self.cfg.secret, self.tls_context), self.cfg.sched_host,
+                self.cfg.sched_port, backlog=LISTEN_BACKLOG)
         except OSError as exc:
             raise ConfigError(
                 f"scheduler cannot listen on {self.cfg.sched_host}:{self.cfg.sched_port} ({exc.strerror or exc}); "
@@ -134,8 +136,8 @@ class Scheduler(RendezvousRequests, AgentRequests):
             await asyncio.sleep(0.2)  # let the last replies flush
             if self.cluster.job is m.JobState.FAILED:
                 await self._linger()
-            for writer in list(self._writers):  # Python >= 3.12 waits on exit for every open connection
-                writer.close()
+            for conn in list(self._conns):  # Python >= 3.12 waits on exit for every open connection
+                conn.close()
         monitor.cancel()
         if self.metrics is not None:
             self.metrics.close()
@@ -165,21 +167,11 @@ class Scheduler(RendezvousRequests, AgentRequests):
         while self._liveness and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def _notify(self) -> None:
+        self._changes.notify()
 
     async def _wait(self, predicate, deadline: float) -> bool:
-        async with self._changed:
-            while not predicate():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
-                except asyncio.TimeoutError:
-                    return predicate()
-            return True
+        return await self._changes.wait_for(predicate, deadline)
 
     def _persist(self, *node_ids: str) -> None:
         """Save the cluster at the end of this loop pass: the meta row, the rows of `node_ids` (none: all)."""
@@ -197,70 +189,49 @@ class Scheduler(RendezvousRequests, AgentRequests):
                 self.view.tick(self.cluster, time.monotonic())
             for node in m.expired(self.cluster, time.monotonic(), self.cfg.heartbeat_timeout):
                 detail = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
-                await self._fail(node.node_id, node.incarnation, p.FailureKind.HEARTBEAT, detail)
+                self._fail(node.node_id, node.incarnation, p.FailureKind.HEARTBEAT, detail)
                 kill_if_local(node.node_id, node.host, node.pid, self.port)
             if self.elastic and not self.cluster.formed:  # a dead member's deadline may have passed
-                await self._try_form()
+                self._try_form()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        if len(self._writers) >= self.max_connections or self._pending[address] >= self.max_pending_per_peer:
+    # --- connections (conn.py) ---------------------------------------------------------------
+
+    def connection_opened(self, conn: SchedulerConnection) -> bool:
+        if len(self._conns) >= self.max_connections or self._pending[conn.address] >= self.max_pending_per_peer:
             log.warning("refused a connection from %s: %d open (limit %d), %d of them from it in the handshake "
-                        "(limit %d)", peer, len(self._writers), self.max_connections, self._pending[address],
+                        "(limit %d)", conn.peer, len(self._conns), self.max_connections, self._pending[conn.address],
                         self.max_pending_per_peer)  # a flood is turned away, logged
-            writer.close()
-            return
-        self._writers.add(writer)
-        stream = writer  # where replies go: with TLS, the session over it (tlsstream.py)
-        try:
-            self._pending[address] += 1
-            try:
-                admitted = await auth.accept(reader, writer, self.cfg.secret, self.tls_context)
-            finally:
-                self._pending[address] -= 1
-                if not self._pending[address]:
-                    del self._pending[address]
-            if admitted.refused:
-                log.warning("dropped a connection from %s: %s", peer, admitted.refused)
-                self.events.emit("connection_refused", peer=str(peer)[:100], reason=admitted.refused)
-                return
-            stream = admitted.writer
-            while (req := await p.read_request(admitted.reader)) is not None:
-                try:
-                    data = p.encode(await self._dispatch(req, stream, admitted.agent))
-                except (ValueError, TypeError, KeyError, OverflowError, ArithmeticError) as exc:  # a handler's bug
-                    log.error("%s request from %s failed: %r", req.type, peer, exc)  # or a hostile value: answered
-                    data = p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=f"{req.type}: {type(exc).__name__}"))
-                await self.commits.durable()  # no reply reveals a change before it is saved (commit.py)
-                stream.write(data)
-                await stream.drain()
-        except ProtocolError as exc:
-            log.warning("dropped connection from %s: %s", peer, exc)
-            try:
-                stream.write(p.encode(p.Error(code=p.ErrorCode.BAD_MESSAGE, message=str(exc))))
-                await stream.drain()
-            except (ConnectionError, OSError):
-                pass
-        except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
-            log.debug("connection from %s lost: %s", peer, exc)
-        except asyncio.CancelledError:  # the server is shutting down at job end
-            return
-        finally:
-            self._writers.discard(writer)
-            bound = self._liveness.pop(id(stream), None)
-            writer.close()
-            if bound is not None and self.cluster.job is m.JobState.RUNNING:
-                node = self.cluster.nodes.get(bound[0])
-                if node is not None and node.incarnation == bound[1] and node.state is m.NodeState.ALIVE:
-                    await self._fail(bound[0], bound[1], p.FailureKind.CONNECTION, "control connection closed")
+            return False
+        self._conns.add(conn)
+        self._pending[conn.address] += 1
+        return True
 
-    async def _dispatch(self, req, writer, agent: bool):
-        if req.type in auth.AGENT_ONLY and not agent:
+    def handshake_over(self, conn: SchedulerConnection, refused: str) -> None:
+        self._pending[conn.address] -= 1
+        if not self._pending[conn.address]:
+            del self._pending[conn.address]
+        if refused:
+            log.warning("dropped a connection from %s: %s", conn.peer, refused)
+            self.events.emit("connection_refused", peer=str(conn.peer)[:100], reason=refused)
+
+    def request(self, req, conn: SchedulerConnection):
+        """The reply to `req`, or (join, agree, store) a coroutine that returns it."""
+        if req.type in auth.AGENT_ONLY and not conn.agent:
             return p.Error(code=p.ErrorCode.BAD_MESSAGE, message=(
                 f"{req.type}: only an agent may send it, and this connection holds a worker's secret"))
         handler = getattr(self, f"_on_{req.type}")
-        return await (handler(req, writer) if req.type == "heartbeat" else handler(req))
+        return handler(req, conn) if req.type == "heartbeat" else handler(req)
+
+    def pending_commit(self) -> asyncio.Future | None:
+        return self.commits.pending()
+
+    def connection_closed(self, conn: SchedulerConnection) -> None:
+        self._conns.discard(conn)
+        bound = self._liveness.pop(id(conn), None)
+        if bound is not None and self.cluster.job is m.JobState.RUNNING:
+            node = self.cluster.nodes.get(bound[0])
+            if node is not None and node.incarnation == bound[1] and node.state is m.NodeState.ALIVE:
+                self._fail(bound[0], bound[1], p.FailureKind.CONNECTION, "control connection closed")
 
     def _current(self, node_id: str, incarnation: int) -> m.Node | p.Error:
         node = self.cluster.nodes.get(node_id)
@@ -283,7 +254,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
 
     # --- membership requests ---------------------------------------------------------
 
-    async def _on_register(self, req: p.Register):
+    def _on_register(self, req: p.Register):
         c = self.cluster
         node_id = req.node_id or m.generated_id(c)
         now = time.monotonic()
@@ -303,31 +274,31 @@ class Scheduler(RendezvousRequests, AgentRequests):
                 node.node_id, node.incarnation, req.pid, req.host, f", replacing {d.replaces}" if d.replaces else "")
         self.events.emit("registered", node=node.node_id, rank=node.rank, incarnation=node.incarnation,
                           pid=req.pid, host=req.host, generation=c.generation)
-        await self._notify()
+        self._notify()
         return p.Registered(node_id=node.node_id, rank=node.rank, incarnation=node.incarnation,
                             generation=c.generation, worker_num=c.worker_num)
 
-    async def _on_reattach(self, req: p.Reattach):
+    def _on_reattach(self, req: p.Reattach):
         node = self._current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node
         node.state, node.last_seen, node.pid = m.NodeState.ALIVE, time.monotonic(), req.pid
         log.info("%s reattached (incarnation %d)", node.node_id, node.incarnation)
         self.events.emit("reattached", node=node.node_id, generation=self.cluster.generation)
-        await self._notify()
+        self._notify()
         return p.Registered(node_id=node.node_id, rank=node.rank, incarnation=node.incarnation,
                             generation=self.cluster.generation, worker_num=self.cluster.worker_num)
 
-    async def _on_heartbeat(self, req: p.Heartbeat, writer):
+    def _on_heartbeat(self, req: p.Heartbeat, conn: SchedulerConnection):
         node = self._current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node  # else _current has marked it alive, seen now
         self.view.heartbeat(node.node_id, req.step, node.last_seen)
-        self._liveness[id(writer)] = (node.node_id, node.incarnation)
+        self._liveness[id(conn)] = (node.node_id, node.incarnation)
         c = self.cluster
         return p.HeartbeatAck(generation=c.generation, formed=c.formed, job_over=c.job is not m.JobState.RUNNING)
 
-    async def _fail(self, node_id: str, incarnation: int | None, kind: p.FailureKind, detail: str, *,
+    def _fail(self, node_id: str, incarnation: int | None, kind: p.FailureKind, detail: str, *,
                     final: bool = False) -> None:
         c = self.cluster
         node = c.nodes.get(node_id)
@@ -341,18 +312,18 @@ class Scheduler(RendezvousRequests, AgentRequests):
         log.warning("%s", for_log(d.reason))
         self.events.emit("failure_detected", node=node_id, rank=node.rank if node else -1, kind=kind.value,
                           detail=detail[-500:], generation=before, next_generation=c.generation)
-        await self._notify()
+        self._notify()
 
-    async def _on_report_failure(self, req: p.ReportFailure):
+    def _on_report_failure(self, req: p.ReportFailure):
         node = self._current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node
         if req.kind is p.FailureKind.COLLECTIVE and req.generation != self.cluster.generation:
             return p.Ok()  # that generation is already over
-        await self._fail(req.node_id, req.incarnation, req.kind, req.detail)
+        self._fail(req.node_id, req.incarnation, req.kind, req.detail)
         return p.Ok()
 
-    async def _on_process_exited(self, req: p.ProcessExited):
+    def _on_process_exited(self, req: p.ProcessExited):
         node = self.cluster.nodes.get(req.node_id)
         if node is None or node.pid != req.pid:
             return p.Ok()  # an old incarnation, already replaced
@@ -360,23 +331,23 @@ class Scheduler(RendezvousRequests, AgentRequests):
             return p.Error(code=p.ErrorCode.JOB_OVER, message=f"worker {req.node_id} had already {node.state.value}")
         how = f"killed by signal {req.signal}" if req.signal else f"exited with code {req.exit_code}"
         detail = how + (f"\n{req.detail}" if req.detail else "")
-        await self._fail(req.node_id, node.incarnation, p.FailureKind.EXITED, detail, final=req.final)
+        self._fail(req.node_id, node.incarnation, p.FailureKind.EXITED, detail, final=req.final)
         return p.Ok()
 
-    async def _on_finish(self, req: p.Finish):
+    def _on_finish(self, req: p.Finish):
         node = self._current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return p.Ok() if node.code is p.ErrorCode.FENCED else node
         if not req.ok:
-            await self._fail(req.node_id, req.incarnation, p.FailureKind.EXCEPTION, req.detail)
+            self._fail(req.node_id, req.incarnation, p.FailureKind.EXCEPTION, req.detail)
             return p.Ok()
         m.apply_finish(self.cluster, req.node_id, req.stopped, req.detail)
         if self.elastic:
             self.elastic.job_over(self.cluster)
         self._persist(req.node_id)
         self.events.emit("stopped" if req.stopped else "finished", node=req.node_id, rank=node.rank)
-        await self._notify()
+        self._notify()
         return p.Ok()
 
-    async def _on_status(self, req: p.Status):
+    def _on_status(self, req: p.Status):
         return p.StatusReply(state=self.view.status(self.cluster, time.monotonic()))

@@ -2,7 +2,7 @@
 (the job-secret handshake of control/auth.py, then frames of control/protocol.py) and nothing else.
 
 Used by bench/scheduler_scale.py and tests/test_scheduler_scale.py, with `SchedulerUnderTest`, a
-real scheduler process. Frames are encoded once per worker (a host beat once per set of members) and a
+real scheduler process. Each connection is an asyncio.Protocol (`_Wire`), not a pair of streams. Frames are encoded once per worker (a host beat once per set of members) and a
 reply equal to the last one is not decoded again, so the clients, which share the machine with the
 scheduler they load, spend their time on the socket, not on encoding.
 """
@@ -22,37 +22,86 @@ from ..control import protocol as p
 from ..errors import AuthenticationFailed
 
 
+class _Wire(asyncio.Protocol):
+    """A client connection as a protocol: what arrives is kept until a read asks for it (a future per read,
+    no task or stream per connection: the clients share the machine with the scheduler they load)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._want: tuple[asyncio.Future, bool, int] | None = None  # (the read, a frame?, bytes wanted)
+        self._lost: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        self._serve()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = exc or ConnectionError("the scheduler closed the connection")
+        if self._want is not None and not self._want[0].done():
+            self._want[0].set_exception(self._lost)
+        self._want = None
+
+    def read(self, n: int, frame: bool = False) -> asyncio.Future:
+        """The next `n` bytes; with `frame`, the payload of the next frame (`n` unused)."""
+        waiter = asyncio.get_running_loop().create_future()
+        if self._lost is not None:
+            waiter.set_exception(self._lost)
+            return waiter
+        self._want = (waiter, frame, n)
+        self._serve()
+        return waiter
+
+    def _serve(self) -> None:
+        if self._want is None:
+            return
+        waiter, frame, n = self._want
+        start = 0
+        if frame:
+            if len(self._buf) < p.HEADER.size:
+                return
+            start, n = p.HEADER.size, p.HEADER.size + p.parse_header(bytes(self._buf[:p.HEADER.size]))
+        if len(self._buf) < n:
+            return
+        data = bytes(self._buf[start:n])
+        del self._buf[:n]
+        self._want = None
+        if not waiter.done():
+            waiter.set_result(data)
+
+
 class SimWorker:
     """One simulated worker (or agent): its own connection, one request at a time."""
 
     def __init__(self, node_id: str):
         self.node_id = node_id
         self.incarnation = 0
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._wire: _Wire | None = None
         self._beat = b""
         self._host_beat: tuple[tuple, bytes] = ((), b"")  # (the members' (node id, incarnation)s, the frame)
         self._last_reply: tuple[bytes, object] = (b"", None)  # (payload, decoded)
 
     async def connect(self, host: str, port: int, secret: bytes | None) -> None:
-        self._reader, self._writer = await asyncio.open_connection(host, port)
-        head = await self._reader.readexactly(auth.HELLO_SIZE)
+        _, self._wire = await asyncio.get_running_loop().create_connection(_Wire, host, port)
+        head = await self._wire.read(auth.HELLO_SIZE)
         mode, nonce_s = head[len(auth.MAGIC) + 1], head[len(auth.MAGIC) + 2:]
         if mode == 0:
             return
         if secret is None:
             raise AuthenticationFailed("the scheduler requires the job secret")
         nonce_c = os.urandom(auth.NONCE)
-        self._writer.write(nonce_c + auth.proof(secret, b"client", nonce_s, nonce_c))
-        verdict = await self._reader.readexactly(auth.VERDICT_SIZE)
+        self._wire.transport.write(nonce_c + auth.proof(secret, b"client", nonce_s, nonce_c))
+        verdict = await self._wire.read(auth.VERDICT_SIZE)
         if verdict[0] != 1 or not hmac.compare_digest(verdict[1:], auth.proof(secret, b"server", nonce_s, nonce_c)):
             raise AuthenticationFailed("the scheduler refused the job secret")
 
     async def request_frame(self, frame: bytes):
-        assert self._writer is not None and self._reader is not None, "connect first"
-        self._writer.write(frame)
-        header = await self._reader.readexactly(p.HEADER.size)
-        payload = await self._reader.readexactly(p.parse_header(header))
+        assert self._wire is not None, "connect first"
+        self._wire.transport.write(frame)
+        payload = await self._wire.read(0, frame=True)
         if payload != self._last_reply[0]:  # replies are frozen messages: the same bytes decode to an equal one
             self._last_reply = (payload, p.decode_reply(payload))
         return self._last_reply[1]
@@ -83,9 +132,9 @@ class SimWorker:
         return await self.request_frame(self._host_beat[1])
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._wire is not None:
+            self._wire.transport.close()
+            self._wire = None
 
 
 class SchedulerUnderTest:
