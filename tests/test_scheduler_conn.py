@@ -3,6 +3,7 @@ order, each after its save, and a peer that never reads its replies is stopped, 
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -103,3 +104,24 @@ def test_a_peer_that_never_reads_its_replies_is_stopped_not_buffered(scheduler):
     assert reply_size > 10 * len(status) and isinstance(p.decode_reply(p.read_frame(hog)), p.StatusReply)
     hog.close()
     other.close()
+
+
+def test_a_handshake_still_open_when_the_job_ends_is_not_a_refusal(scheduler, tmp_path):
+    """A client that has not answered the challenge when the job ends is closed by the scheduler: that is the
+    job's end, not a stranger refused, and events.jsonl still ends with job_end."""
+    sched, recovery = scheduler
+    idle = socket.create_connection(("127.0.0.1", sched.port), timeout=10)
+    assert idle.recv(auth.HELLO_SIZE, socket.MSG_WAITALL)[:3] == auth.MAGIC  # then it says nothing
+    workers = [connect(sched.port) for _ in range(2)]
+    for i, sock in enumerate(workers):
+        sock.sendall(register(str(i)))
+        assert isinstance(p.decode_reply(p.read_frame(sock)), p.Registered)
+    for i, sock in enumerate(workers):
+        sock.sendall(p.encode(p.Finish(node_id=str(i), incarnation=1, ok=True)))
+        assert isinstance(p.decode_reply(p.read_frame(sock)), p.Ok)
+    assert sched.proc.wait(timeout=10) == 0
+    kinds = [json.loads(line)["event"] for line in (recovery / "events.jsonl").read_text().splitlines()]
+    assert kinds[-1] == "job_end" and "connection_refused" not in kinds, kinds
+    assert idle.recv(1) == b""  # closed
+    for sock in [idle, *workers]:
+        sock.close()

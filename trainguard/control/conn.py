@@ -48,7 +48,8 @@ class Owner(Protocol):
         """May it go on (the caps on connections)? False: it is closed at once."""
 
     def handshake_over(self, conn: SchedulerConnection, refused: str) -> None:
-        """Once per opened connection: admitted (refused == "") or why not."""
+        """Once per opened connection, when its handshake ends: why it was refused, or "" (admitted, or
+        closed by the scheduler itself)."""
 
     def request(self, req: p.Msg, conn: SchedulerConnection):
         """The reply, or an awaitable of it (a request that waits: join, agree, a store wait)."""
@@ -76,11 +77,11 @@ class SchedulerConnection(asyncio.Protocol):
         self._write_paused = False  # the transport's buffer is full: no new request until it drains
         self._read_paused = False
         self._opened = False
+        self._closed_by_owner = False
 
     # --- asyncio's callbacks ------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._transport = transport
         self.peer = transport.get_extra_info("peername")
         self.address = str(self.peer[0]) if isinstance(self.peer, tuple) else str(self.peer)
@@ -113,7 +114,7 @@ class SchedulerConnection(asyncio.Protocol):
                     self._refuse(f"TLS: {refusal(exc)}")
                 return
             except EOFError:
-                self.close()
+                self._transport.close()
                 return
             if (out := self._tls.outgoing()):
                 self._transport.write(out)
@@ -141,10 +142,10 @@ class SchedulerConnection(asyncio.Protocol):
         self._cancel_timer()
         if not self._opened:
             return
-        if stage is Stage.TLS:
-            self.owner.handshake_over(self, "TLS: the TLS handshake did not finish (the connection closed)")
-        elif stage is Stage.CHALLENGE:
-            self.owner.handshake_over(self, "no answer to the job-secret challenge")
+        if stage in (Stage.TLS, Stage.CHALLENGE):
+            why = ("TLS: the TLS handshake did not finish (the connection closed)" if stage is Stage.TLS
+                   else "no answer to the job-secret challenge")
+            self.owner.handshake_over(self, "" if self._closed_by_owner else why)
         elif exc is not None:
             log.debug("connection from %s lost: %s", self.peer, exc)
         self.owner.connection_closed(self)
@@ -152,6 +153,8 @@ class SchedulerConnection(asyncio.Protocol):
     # --- what the scheduler calls -------------------------------------------------------------------
 
     def close(self) -> None:
+        """The scheduler ends the connection (the job is over): not a refusal."""
+        self._closed_by_owner = True
         if self._transport is not None:
             self._transport.close()
 
@@ -234,12 +237,12 @@ class SchedulerConnection(asyncio.Protocol):
 
     def _handled(self, req: p.Msg, task: asyncio.Task) -> None:
         if task.cancelled():  # the scheduler is shutting down
-            self.close()
+            self._transport.close()
             return
         exc = task.exception()
         if exc is not None and not isinstance(exc, HANDLER_BUGS):
             log.error("%s request from %s failed", req.type, self.peer, exc_info=exc)
-            self.close()
+            self._transport.close()
             return
         self._answer(req, self._bug(req, exc) if exc is not None else task.result())
         self._process()
@@ -266,7 +269,7 @@ class SchedulerConnection(asyncio.Protocol):
 
     def _saved(self, data: bytes, save: asyncio.Future) -> None:
         if save.cancelled() or save.exception() is not None:  # not saved (commit.py logged why): not acknowledged
-            self.close()
+            self._transport.close()
             return
         self._reply(data)
         self._process()
