@@ -15,9 +15,10 @@ For recovery off and on (cluster.db, events.jsonl), it reports:
 The clients run on the same machine as the scheduler, so what they spend is not the scheduler's: both
 CPU figures are printed. They are kept cheap: a protocol per connection rather than streams, `--concurrency`
 lanes rather than a task per worker queued on a semaphore (Python 3.11's semaphore scans its waiters on
-every release), and uvloop where it is installed (the dev extras install it). The scheduler runs on asyncio's own loop, as `trainguard scheduler` does: on uvloop its
-group commit (control/commit.py) found one request per pass, and 10,000 registrations took 8,714 fsyncs
-instead of 80 (strace, registrations alone).
+every release), and uvloop where it is installed (the dev extras install it). The scheduler runs on
+asyncio's own loop, as `trainguard scheduler` does: on uvloop its group commit (control/commit.py) found
+one request per pass, and 10,000 registrations took 8,714 fsyncs instead of 80 (strace, registrations
+alone).
 """
 
 from __future__ import annotations
@@ -75,7 +76,6 @@ class Load:
     def __init__(self, workers: list[SimWorker], port: int, secret: bytes, concurrency: int, relay: bool):
         self.workers, self.port, self.secret, self.relay = workers, port, secret, relay
         self.concurrency = concurrency  # connections + registrations in flight at once
-        self.registered = 0
         self.all_registered = asyncio.Event()
         self.beats: list[tuple[float, float, int]] = []  # (monotonic time sent, latency, workers it covered)
         self.quiet = workers[-1]
@@ -101,7 +101,6 @@ class Load:
                 reply = await w.register(len(self.workers), host=self.host_of(w))
                 if not isinstance(reply, p.Registered):
                     raise SystemExit(f"registration of {w.node_id} refused: {reply}")
-                self.registered += 1
                 if not self.relay:
                     beats.append(asyncio.create_task(self.beat(w, None, [w])))
 

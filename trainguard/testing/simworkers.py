@@ -2,9 +2,10 @@
 (the job-secret handshake of control/auth.py, then frames of control/protocol.py) and nothing else.
 
 Used by bench/scheduler_scale.py and tests/test_scheduler_scale.py, with `SchedulerUnderTest`, a
-real scheduler process. Each connection is an asyncio.Protocol (`_Wire`), not a pair of streams. Frames are encoded once per worker (a host beat once per set of members) and a
-reply equal to the last one is not decoded again, so the clients, which share the machine with the
-scheduler they load, spend their time on the socket, not on encoding.
+real scheduler process. Each connection is an asyncio.Protocol (`_Wire`), not a pair of streams. Frames
+are encoded once per worker (a host beat once per set of members) and a reply equal to the last one is
+not decoded again, so the clients, which share the machine with the scheduler they load, spend their
+time on the socket, not on encoding.
 """
 
 from __future__ import annotations
