@@ -141,7 +141,7 @@ def test_a_failed_save_is_not_acknowledged_and_is_retried_in_full():
         commits = GroupCommit(save)
         commits.changed(["3"])
         with pytest.raises(OSError, match="No space left"):
-            await commits.durable()
+            await commits.pending()
         commits.flush()  # nothing new changed; the failed save is retried
         assert calls == [{"3"}, None] and commits.commits == 1
         commits.flush()

@@ -70,11 +70,6 @@ class GroupCommit:
             self.changed(None)
         return self._pending
 
-    async def durable(self) -> None:
-        """Return once every change made so far is saved; raises the save's error if it failed."""
-        if self._pending is not None:
-            await asyncio.shield(self._pending)
-
 
 def _retrieve(future: asyncio.Future) -> None:
     if not future.cancelled():
