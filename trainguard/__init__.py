@@ -22,6 +22,7 @@ from .errors import (
     RegistrationRejected,
     RendezvousTimeout,
     Retriable,
+    Rewind,
     SchedulerUnavailable,
     TrainguardError,
 )
@@ -33,8 +34,8 @@ _LAZY = {
     "init": "worker.runtime", "get_rank": "worker.runtime", "get_world_size": "worker.runtime",
     "get_local_rank": "worker.runtime", "get_group": "worker.runtime",
     "DDP": "train.parallel", "DistributedDataParallel": "train.parallel", "DataParallel": "train.parallel",
-    "Optimizer": "train.guard", "DataLoader": "train.guard", "DistributedSampler": "train.guard",
-    "start_epoch": "train.guard", "ShardedSampler": "train.data",
+    "Optimizer": "train.guard", "DataLoader": "train.loaders", "DistributedSampler": "train.loaders",
+    "start_epoch": "train.guard", "register_state": "train.guard", "ShardedSampler": "train.data",
     "Session": "train.session", "SessionConfig": "train.session", "Step": "train.session",
     "TrainState": "train.state", "GracefulStop": "train.preempt", "StepTimeMonitor": "train.callbacks",
     "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",
@@ -50,7 +51,7 @@ _LAZY.update(dict.fromkeys(_MINDSPORE, "compat.mindspore"))
 __all__ = sorted(set(_LAZY) - set(_MINDSPORE)) + [
     "CheckpointCorrupt", "CheckpointError", "ClusterFailed", "ClusterStateError", "ConfigError", "FencedError",
     "ProtocolError", "RecoveryError", "RegistrationRejected", "RendezvousTimeout", "SchedulerUnavailable",
-    "TrainguardError", "JobStopped", "Retriable", "EXIT_PREEMPTED", "EXIT_FAULT_STOP",
+    "TrainguardError", "JobStopped", "Retriable", "Rewind", "EXIT_PREEMPTED", "EXIT_FAULT_STOP",
 ]
 
 

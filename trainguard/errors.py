@@ -90,6 +90,14 @@ class Retriable(TrainguardError):
     (`--recover-strategy retry,...`); without it, it ends the process like any other exception."""
 
 
+class Rewind(BaseException):
+    """The cluster moved on while this rank was between commit points (a collective failed, or a peer
+    died): the script goes back to its committed step. Raised at the next point trainguard controls
+    (a batch, a forward, `optimizer.step()`); `trainguard run`'s worker entry catches it and runs the
+    script again in the same process, from the top, with the committed state restored (see
+    train/rewind.py). A BaseException, so `except Exception` in user code does not swallow it."""
+
+
 class JobStopped(SystemExit):
     """The job stopped at a commit point: a graceful exit on a signal (code EXIT_PREEMPTED) or a stop
     after a fault (code EXIT_FAULT_STOP). It is a SystemExit, so uncaught it ends the process with

@@ -6,9 +6,10 @@ from .restore_plan import choose_restore
 from .shard_plan import choose_sharded_restore, is_sharded
 
 
-def decide_agreement(purpose: str, reports: dict[int, dict]) -> dict:
+def decide_agreement(purpose: str, reports: dict[int, dict], known_step: int = 0) -> dict:
+    """`known_step`: the newest step the job is known to have committed (restore_plan.py)."""
     if purpose == "restore":
-        return choose_sharded_restore(reports) if is_sharded(reports) else choose_restore(reports)
+        return choose_sharded_restore(reports) if is_sharded(reports) else choose_restore(reports, known_step)
     if purpose == "finish":
         steps = {int(r.get("step", -1)) for r in reports.values()}
         return {"ok": len(steps) == 1, "steps": sorted(steps)}

@@ -79,7 +79,9 @@ class RendezvousRequests:
         got = self._agreements.setdefault(key, {})
         got[fm.generation_rank(c, node.node_id)] = req.payload
         if len(got) == fm.generation_size(c) and key not in self._decisions:
-            decision = decide_agreement(req.purpose, got)
+            decision = decide_agreement(req.purpose, got, max(self._known_step, self.view.job_step()))
+            if isinstance(decision.get("step"), int):
+                self._known_step = max(self._known_step, decision["step"])
             self._decisions[key] = decision
             if self.elastic and req.purpose == "finish" and decision.get("ok"):
                 self.elastic.finishing(c)

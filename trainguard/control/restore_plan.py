@@ -13,20 +13,26 @@ survivors lose no step. When no rank holds a live state (a rerun, or every proce
 restarted), the newest disk checkpoint every rank can load wins ("disk"); with none, the job
 starts fresh ("init"). Ranks that lost their state while others hold disk checkpoints they
 cannot all load are an error: starting over silently would lose the work.
+
+`known_step` is the newest step the scheduler has seen the job commit (heartbeats, earlier
+decisions). A restore from disk below it says how many steps are lost and redone (`from_step`), and a fresh
+start while the job had committed steps is an error: every rank lost its live state and no
+checkpoint holds it, so starting over would redo the work with a fresh schedule and end with other
+weights, silently.
 """
 
 from __future__ import annotations
 
 
-def choose_restore(reports: dict[int, dict]) -> dict:
-    decision = _choose(reports)
+def choose_restore(reports: dict[int, dict], known_step: int = 0) -> dict:
+    decision = _choose(reports, known_step)
     nodes = {str(r): rep["node"] for r, rep in reports.items() if rep.get("node") is not None}
     if nodes:
         decision["nodes"] = nodes
     return decision
 
 
-def _choose(reports: dict[int, dict]) -> dict:
+def _choose(reports: dict[int, dict], known_step: int = 0) -> dict:
     ranks = sorted(reports)
     live = {r: int(rep["step"]) for r, rep in reports.items() if rep.get("step") is not None}
     if live:
@@ -44,7 +50,13 @@ def _choose(reports: dict[int, dict]) -> dict:
     common = set.intersection(*disk.values()) if disk else set()
     if common:
         s = max(common)
-        return {"step": s, "fresh": False, "from_step": s, "sources": {str(r): {"kind": "disk"} for r in ranks}}
+        return {"step": s, "fresh": False, "from_step": max(s, known_step),
+                "sources": {str(r): {"kind": "disk"} for r in ranks}}
+    if not any(disk.values()) and known_step > 0:
+        return {"step": None, "fresh": False, "from_step": known_step, "sources": {},
+                "error": f"every rank lost its live state (the job had committed {known_step} steps) and no checkpoint "
+                         "holds any step: starting over would silently redo them with a fresh schedule. Give the job "
+                         "a checkpoint directory (TG_CHECKPOINT_DIR, or ModelCheckpoint) to resume from disk"}
     if not any(disk.values()):
         return {"step": 0, "fresh": True, "from_step": 0, "sources": {str(r): {"kind": "init"} for r in ranks}}
     have = "; ".join(f"rank {r}: disk {sorted(disk[r])}" for r in ranks)

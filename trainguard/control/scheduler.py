@@ -86,6 +86,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
         self.agents = AgentBoard(PlacementPolicy.from_env(os.environ), self.events)
         self._agreements: dict[tuple[int, str], dict[int, dict]] = {}
         self._decisions: dict[tuple[int, str], dict] = {}
+        self._known_step = 0  # the newest step a restore decision named (the heartbeats tell the rest)
         self._liveness: dict[int, tuple[str, int]] = {}  # id(connection) -> (node_id, incarnation)
         self._conns: set[SchedulerConnection] = set()  # open connections, closed at job end
         self._changes = Changes()  # what blocking requests wait on

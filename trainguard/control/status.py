@@ -52,6 +52,10 @@ class JobView:
             json.dump({"host": host, "port": port, "pid": os.getpid()}, f)
         os.replace(tmp, path)
 
+    def job_step(self) -> int:
+        """The newest step any member said it committed (0 before any)."""
+        return max((s for s, _ in self.steps.values()), default=0)
+
     def heartbeat(self, node_id: str, step: int, now: float) -> None:
         """A member's heartbeat said it has committed `step` steps (-1: not training yet). O(1): the job's
         step (the members' largest) is taken at most once a second, as a sample."""

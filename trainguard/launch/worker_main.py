@@ -2,7 +2,9 @@
 
     python -u -m trainguard.launch.worker_main SCRIPT [ARGS...]
 
-It runs SCRIPT as `python SCRIPT ARGS...` would: as `__main__`, with the script's folder first on
+It runs SCRIPT as `python SCRIPT ARGS...` would, except that a fault (a failed collective, a peer's
+death) sends the script back to its committed step: it runs again from the top in this same
+process, with its state kept (train/rewind.py). Otherwise: as `__main__`, with the script's folder first on
 `sys.path`, the same exit codes, and a traceback of the script's own frames through `sys.excepthook`
 (which `trainguard.init()` chains). One difference: an uncaught *deterministic* error, one that a
 restart would only raise again, exits `EXIT_CONFIG_ERROR` (78) instead of 1, after one more line
@@ -39,7 +41,8 @@ import threading
 import traceback
 from typing import NoReturn
 
-from ..errors import ConfigError
+from .. import rewinding
+from ..errors import ConfigError, Rewind
 from ..exitcodes import EXIT_CONFIG_ERROR
 
 DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (SyntaxError, ImportError, ConfigError)
@@ -74,21 +77,43 @@ def deterministic_error(tail: list[str] | tuple[str, ...]) -> str:
 
 
 def run_script(script: str) -> None:
-    """Run `script` (an absolute path; sys.argv already set) as __main__. An uncaught exception is printed
-    from the script's own frames on, as python prints it, then ends the process: exit 1, or 78 if the
-    error is deterministic."""
+    """Run `script` (an absolute path; sys.argv already set) as __main__, again from the top whenever a fault
+    sends it back to its committed step (rewinding.py). An uncaught exception is printed from the script's own
+    frames on, as python prints it, then ends the process: exit 1, or 78 if the error is deterministic."""
+    rewinding.allow()
+    argv = list(sys.argv)
+    while True:
+        sys.argv = list(argv)  # the script may have changed it
+        if not _run_once(script):
+            return
+
+
+def _run_once(script: str) -> bool:
+    """One run of the script; True if it must run again."""
     try:
         runpy.run_path(script, run_name="__main__")
-    except Exception as exc:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != script:  # runpy's and ours
-            tb = tb.tb_next
-        exc = exc.with_traceback(tb)
-        sys.excepthook(type(exc), exc, tb)  # trainguard.init() chains its hook here
-        if not is_deterministic(exc):
-            raise SystemExit(1) from None
-        print(DETERMINISTIC_MARK + describe_error(exc, script), file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG_ERROR) from None
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if rewinding.rewind(exc):
+            return True
+        if not isinstance(exc, (Exception, Rewind)):  # KeyboardInterrupt and the like: as python would
+            raise
+        _fail(script, exc)
+    return rewinding.again_at_end()
+
+
+def _fail(script: str, exc: BaseException) -> NoReturn:
+    """Print the script's error from its own frames on, then exit 1, or 78 if it is deterministic."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:  # runpy's and ours
+        tb = tb.tb_next
+    exc = exc.with_traceback(tb)
+    sys.excepthook(type(exc), exc, tb)  # trainguard.init() chains its hook here
+    if not is_deterministic(exc):
+        raise SystemExit(1) from None
+    print(DETERMINISTIC_MARK + describe_error(exc, script), file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_CONFIG_ERROR) from None
 
 
 def run_and_exit(script: str) -> NoReturn:

@@ -13,6 +13,12 @@ its first bucket was sent), kill-after (the exchange completed, the update not y
 kill-commit (the update applied, the step not yet counted). Each firing is logged as a `fault_injected` event first, which is what
 MTTR is measured from.
 
+TG_FAULT_COLLECTIVE="rank:name:n[:how],..." fires at a collective instead of a step: that rank's n-th
+synchronous call of `torch.distributed.<name>` (all_reduce, barrier, broadcast, ...; trainguard's own
+gradient exchange is asynchronous and not counted) in its first incarnation, just before the call.
+how: kill (default) or stop. That is how a test kills a rank inside an eval pass's metric
+all_reduce, a barrier, or the broadcast after the script's own save.
+
 TG_FAULT_SLOW_SAVE=S makes every dying-gasp checkpoint file take S seconds longer to write (it
 sleeps after each file, before the manifest): a save the grace period cannot hold.
 
@@ -40,6 +46,7 @@ FAULT_ENV = "TG_FAULT"
 SLOW_SAVE_ENV = "TG_FAULT_SLOW_SAVE"
 DISK_FULL_ENV = "TG_FAULT_DISK_FULL"
 SLOW_STEP_ENV = "TG_FAULT_SLOW_STEP"
+COLLECTIVE_FAULT_ENV = "TG_FAULT_COLLECTIVE"
 PHASES = {"kill-before": "before_exchange", "kill-exchange": "in_exchange", "kill-after": "after_exchange",
           "kill-commit": "in_commit"}  # Session.phase_point names
 HOWS = ("kill", "term", "stop", "raise", "sched", "collective", *PHASES)
@@ -130,7 +137,59 @@ def env_callbacks(env=None) -> list[Callback]:
     if slow:
         callbacks.append(SlowSteps(slow))
     slow_saves_from_env(env)
+    collective_faults_from_env(env)
     return callbacks
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveFault:
+    rank: int
+    name: str
+    nth: int
+    how: str = "kill"
+
+
+def parse_collective_faults(raw: str) -> list[CollectiveFault]:
+    faults = []
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        parts = item.split(":")
+        try:
+            fault = CollectiveFault(int(parts[0]), parts[1], int(parts[2]), parts[3] if len(parts) > 3 else "kill")
+        except (IndexError, ValueError):
+            raise ConfigError(f"{COLLECTIVE_FAULT_ENV}={raw!r}: expected items like 1:barrier:2 or 0:all_reduce:3:stop") \
+                from None
+        if fault.how not in ("kill", "stop") or fault.nth < 1 or fault.rank < 0:
+            raise ConfigError(f"{COLLECTIVE_FAULT_ENV}: {item!r}: how is kill or stop, n >= 1, rank >= 0")
+        faults.append(fault)
+    return faults
+
+
+_collective_counts: dict[str, int] | None = None  # per process: a rewind does not fire a fault again
+
+
+def collective_faults_from_env(env=None) -> None:
+    global _collective_counts
+    faults = parse_collective_faults((os.environ if env is None else env).get(COLLECTIVE_FAULT_ENV, ""))
+    if not faults or _collective_counts is not None:
+        return
+    from ..worker import collectives
+    from ..worker import runtime as rt_mod
+
+    _collective_counts = counts = {}
+
+    def observe(name: str) -> None:
+        rt = rt_mod.active()
+        if rt is None or rt.incarnation != 1:
+            return
+        counts[name] = counts.get(name, 0) + 1
+        for f in faults:
+            if f.rank == rt.rank and f.name == name and f.nth == counts[name]:
+                rt.events.emit("fault_injected", rank=f.rank, step=max(rt.step, 0), how=f"{f.how}@{name}",
+                               node=rt.node_id, generation=rt.generation)
+                print(f"trainguard.testing: injecting {f.how} at {name} #{f.nth} on rank {f.rank}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if f.how == "kill" else signal.SIGSTOP)
+
+    collectives.observers.append(observe)
 
 
 def fire(f: Fault, rt) -> None:

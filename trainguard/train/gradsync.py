@@ -36,6 +36,9 @@ block over glibc's 32 MB maximum would change nothing, so it is capped just belo
 20 MB of gradients, 500-2000 page faults a step with a 32 MB block, 0 with the cap); other
 allocators ignore the hint. `bench/overhead.py` prints page faults per step.
 
+Buffers. Rank 0's buffers (BatchNorm statistics) ride with the last bucket (train/buffers.py), so
+a committed step leaves every rank with the same buffers and no forward broadcasts them.
+
 Control slots. The last bucket (if float32 or float64; otherwise one small extra buffer) carries
 `world_size` more elements: rank r writes its control value (the stop vote: a signal number or 0)
 into slot r and zeros elsewhere. The sum hands every rank every rank's value at no extra
@@ -120,6 +123,7 @@ class GradSync:
         self.after_launch: Callable[[], None] | None = None  # called once per backward, after the first launch
         self.controls: list[int] = []  # every rank's control value from the last completed exchange
         self.error: CollectiveFailed | None = None
+        self.share = None  # a BufferShare (train/buffers.py): rank 0's buffers ride with the last bucket
         self.enabled = True  # False inside no_sync()
         self._control: torch.Tensor | None = None  # the extra buffer, when the last bucket cannot carry slots
         self._works: list = []
@@ -211,7 +215,9 @@ class GradSync:
             self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
             if b == len(self.buckets) - 1 and self._control is not None:
                 self._works.append(dist.all_reduce(self._control, group=self.group, async_op=True))
-        except RuntimeError as exc:
+            if b == len(self.buckets) - 1 and self.share:
+                self._works += self.share.launch(self.rank, self.group)
+        except (RuntimeError, CollectiveFailed) as exc:  # CollectiveFailed: the generation already failed
             self._fail(exc)
         if b == 0 and self.after_launch is not None:
             self.after_launch()
@@ -241,6 +247,8 @@ class GradSync:
             return
         slots = self.buckets[-1].buffer[self.buckets[-1].size:] if self._control is None else self._control
         self.controls = [int(v) for v in slots.tolist()]
+        if self.share:
+            self.share.finish()
         for bucket in self.buckets:
             bucket.grads.div_(self.world)
         for bucket in partial:
@@ -260,7 +268,3 @@ class GradSync:
         """True once per completed exchange: `controls` are this step's."""
         fresh, self._synced = self._synced, False
         return fresh
-
-    def record(self, exc: BaseException) -> None:
-        """A collective of ours outside backward failed (e.g. the buffer broadcast in forward)."""
-        self._fail(exc)

@@ -2,31 +2,34 @@
 
     trainguard.init()
     model = trainguard.DDP(net)                                   # DistributedDataParallel(net)
-    optimizer = trainguard.Optimizer(torch.optim.SGD(...))        # the commit point
+    optimizer = trainguard.Optimizer(torch.optim.SGD(...), lr_scheduler=sched)  # the commit point
     loader = trainguard.DataLoader(ds, batch_size=B, sampler=trainguard.DistributedSampler(ds))
     for epoch in range(trainguard.start_epoch(), epochs):         # where this process resumes
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
-            optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+            optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step(); sched.step()
+        evaluate(model, eval_loader)                              # any loader, collectives, barriers
 
 - `start_epoch()` (or the first forward, batch or optimizer step) joins the job's state: fresh,
   from a peer (a replacement), or from disk (a rerun after a graceful stop).
-- `optimizer.step()` applies the update only if the step's gradient exchange completed, counts the
-  step, and otherwise recovers right there (the step is skipped: nothing was applied). After a
-  skipped step the next batch is the same batch again; after catching up with a peer it is the
-  peer's next one. A stop vote (SIGTERM) ends the process at the commit point, exit 75, after a
-  dying-gasp checkpoint.
-- A recovery that is only noticed after a committed step (the cluster moved on) waits for the next
-  batch, so the user's code after `optimizer.step()` (an LR scheduler step, logging) has run.
-- An LR scheduler given as `Optimizer(opt, lr_scheduler=s)` is restored with the rest, and its
-  `step()` right after a skipped optimizer step does nothing.
-- Dying-gasp checkpoints go to TG_CHECKPOINT_DIR, else `<recovery path>/checkpoints`; with neither,
-  a graceful stop saves nothing and says that a rerun starts over.
+- `optimizer.step()` applies the update only if the step's gradient exchange completed, and counts
+  the step. A forward's buffer changes (BatchNorm) are part of the step.
+- State: model, optimizer, the LR scheduler given here, and any object with `state_dict()` /
+  `load_state_dict()` registered with `register_state` (a GradScaler, a second scheduler). They are
+  held, never patched: their `state_dict()` still pickles.
+- A fault anywhere (in a step, in an eval pass, in a barrier, in the script's own save) sends every
+  rank back to the committed step: under `trainguard run` the script runs again from the top in the
+  same process, its objects refilled with the committed state (train/rewind.py), so every rank,
+  the replacement included, goes through the same collectives from there. Started by hand (no
+  `trainguard run`), a failed step recovers in place and a fault outside a step ends the process.
+- A stop vote (SIGTERM) ends the process at the commit point, exit 75, after a dying-gasp checkpoint
+  into TG_CHECKPOINT_DIR, else `<recovery path>/checkpoints`.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
 import sys
@@ -34,10 +37,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CollectiveFailed, ConfigError
+from .. import rewinding
+from ..errors import CollectiveFailed, ConfigError, Rewind
 from ..worker import runtime as rt_mod
+from . import rewind as rewind_mod
 from .checkpointing import CheckpointConfig, ExceptionCheckpoint
-from .data import ShardedSampler
 from .parallel import DataParallel
 from .session import Session, SessionConfig
 from .state import TrainState
@@ -46,6 +50,7 @@ log = logging.getLogger("trainguard.guard")
 CHECKPOINT_DIR_ENV = "TG_CHECKPOINT_DIR"
 
 _guard: "Guard | None" = None
+_pending_state: dict[str, object] = {}  # register_state before the optimizer was wrapped
 
 
 class Guard:
@@ -54,10 +59,15 @@ class Guard:
     def __init__(self, optimizer: "Optimizer"):
         self.optimizer = optimizer
         self.session: Session | None = None
-        self.loader: "DataLoader | None" = None
+        self.model: DataParallel | None = None
+        self.stateful: dict[str, object] = dict(_pending_state)
         self._armed = None
-        self._skipped = False  # the last optimizer step was skipped: the scheduler's next step() must be too
-        self._in_step = False
+        self.in_step = False
+        self.step_loader: int | None = None  # the loader whose batch began this step
+        self.recent_loader: int | None = None  # the last loader a training batch came from since the last commit
+        self.fetched = 0  # training batches since the last commit (gradient accumulation takes several)
+        self._resync: dict | None = None  # hand launches: hyperparameters to put back after an in-place recovery
+        self.finished = False  # the job agreed to finish
 
     # --- start --------------------------------------------------------------------------------
 
@@ -65,8 +75,8 @@ class Guard:
         if self.session is not None:
             return self.session
         opt = self.optimizer
-        model = _model_of(opt.optimizer)
-        state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler)
+        self.model = model = _model_of(opt.optimizer)
+        state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler, extra=self.stateful)
         rt = rt_mod.current()
         callbacks = []
         root = os.environ.get(CHECKPOINT_DIR_ENV) or (
@@ -75,7 +85,11 @@ class Guard:
             callbacks.append(ExceptionCheckpoint("job", root, CheckpointConfig(exception_save=True)))
         session = Session(state, SessionConfig(), runtime=rt, callbacks=callbacks)
         session.user_loop = True
+        session.rewinds = rewinding.available()
         self.session = session
+        kept = rewind_mod.take_kept()
+        if kept is not None:  # this process ran the script before: its committed state, into the new objects
+            session.adopt(kept)
         if model is not None:
             model.on_forward = self.before_forward
         self._armed = session.stop.armed()
@@ -84,54 +98,106 @@ class Guard:
         atexit.register(self._at_exit)
         return session
 
+    def close(self) -> None:
+        """This run of the script is over (a rewind): disarm the signals, forget the exit barrier."""
+        if self._armed is not None:
+            self._armed.__exit__(None, None, None)
+            self._armed = None
+        atexit.unregister(self._at_exit)
+        if self.model is not None:
+            self.model.on_forward = None
+
     def before_forward(self) -> None:
-        if not self._in_step:
+        """A training forward begins the step; an eval forward (no grad, or eval mode) is only a check."""
+        if self.in_step:
+            return
+        if torch.is_grad_enabled() and self.model is not None and self.model.training:
             self.begin_step()
+        else:
+            self.poll()
 
-    def attach_loader(self, loader: "DataLoader") -> None:
+    def poll(self) -> None:
+        """Between steps: a recovery the commit left pending, or a generation that is over, goes back now."""
         session = self.ensure_started()
-        if self.loader is not loader:
-            self.loader = loader
-            session.state.loader = loader
-            session.sampler = loader.sampler
+        session.before_step()
+        if session.rewinds and session.rt.broken():
+            raise Rewind(f"generation {session.rt.generation} is over")
 
-    def begin_step(self, batch=None) -> None:
+    def begin_step(self, batch=None, loader: int | None = None) -> None:
         session = self.ensure_started()
         session.before_step()  # a recovery noticed after the last commit happens here
+        if self._resync is not None:
+            self._put_back(self._resync)
+            self._resync = None
         session.begin_step(batch)
-        self._in_step, self._skipped = True, False
+        self.in_step = True
+        self.step_loader = loader if loader is not None else self.recent_loader
+
+    def training_batch(self, loader: int) -> None:
+        """A batch came from a loader that is not (yet) known to drive the steps, in training mode."""
+        if self.model is None or (torch.is_grad_enabled() and self.model.training):
+            self.recent_loader = loader
+            self.fetched += 1
 
     # --- the commit point ------------------------------------------------------------------------
 
     def step(self, closure=None):
         session = self.ensure_started()
-        if not self._in_step:
+        if not self.in_step:
             self.begin_step()
-        self._in_step = False
+        self.in_step = False
+        batches, self.fetched = max(1, self.fetched), 0
         try:
             result = self.optimizer.optimizer.step(closure) if closure is not None else self.optimizer.optimizer.step()
         except CollectiveFailed as exc:
-            self._skipped = True
-            session.end_step(exc)
+            session.end_step(exc)  # rewinds, or (started by hand) recovers in place
+            self._resync = self._hyperparameters()  # the script's scheduler.step() after this must not count
             return None
-        session.end_step(None)
+        session.end_step(None, batches)
+        if session.train_loader is None and self.step_loader is not None:
+            session.train_loader = self.step_loader  # the loader that drives the steps, from now on
+        self.recent_loader = None
         return result
 
-    def scheduler_may_step(self) -> bool:
-        skip, self._skipped = self._skipped, False
-        return not skip
+    def _hyperparameters(self) -> dict:
+        session = self.session
+        extra = {k: copy.deepcopy(v.state_dict()) for k, v in session.state.extra.items()}
+        sched = session.state.scheduler
+        return {"groups": [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                           for g in self.optimizer.optimizer.param_groups],
+                "scheduler": copy.deepcopy(sched.state_dict()) if sched is not None else None, "extra": extra}
+
+    def _put_back(self, saved: dict) -> None:
+        for group, values in zip(self.optimizer.optimizer.param_groups, saved["groups"]):
+            group.update(values)
+        if saved["scheduler"] is not None:
+            self.session.state.scheduler.load_state_dict(saved["scheduler"])
+        for k, v in self.session.state.extra.items():
+            v.load_state_dict(saved["extra"][k])
 
     def _at_exit(self) -> None:
         """The last barrier, unless the script is failing: a peer that fails at the very end still gets
         its state from us."""
         session = self.session
-        if session is None or session.rt.failed or session.rt.finished:
+        if session is None or session.rt.failed or session.rt.finished or self.finished:
             return
         try:
             while not session.finish():
                 pass
         except (SystemExit, Exception) as exc:  # leaving anyway; the scheduler learns it from the goodbye
             log.warning("rank %d: finishing: %s", session.rt.rank, exc)
+
+    # --- going back to the committed step (train/rewind.py) ----------------------------------------
+
+    def end_of_script(self) -> bool:
+        """The script ran to its end: agree to finish, or (a peer failed meanwhile) go back. True: run again."""
+        session = self.session
+        if session is None or session.rt.finished:
+            return False
+        if session.finish(recover=False):
+            self.finished = True
+            return False
+        return rewind_mod.prepare(self, Rewind("a peer failed before the job could finish"))
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> DataParallel | None:
@@ -141,6 +207,31 @@ def _model_of(optimizer: torch.optim.Optimizer) -> DataParallel | None:
         if params & {id(p) for p in dp.module.parameters()}:
             return dp
     return None
+
+
+def active() -> Guard | None:
+    return _guard
+
+
+def _rewind(exc: BaseException) -> bool:
+    """The worker entry's question after the script raised `exc` (launch/worker_main.py): run it again?"""
+    global _guard
+    if not isinstance(exc, rewind_mod.FAULTS) or not rewind_mod.prepare(_guard, exc):
+        return False
+    _guard = None  # the script's next run makes a new optimizer, and with it a new guard
+    return True
+
+
+def _at_end() -> bool:
+    """The script ran to its end: True if it must run again (a peer failed before the job could finish)."""
+    global _guard
+    if _guard is None or not _guard.end_of_script():
+        return False
+    _guard = None
+    return True
+
+
+rewinding.set_handler(_rewind, _at_end)
 
 
 def current() -> Guard:
@@ -154,7 +245,8 @@ def current() -> Guard:
 
 
 class Optimizer:
-    """Wraps a torch optimizer: `step()` is the commit point (see the module docstring)."""
+    """Wraps a torch optimizer: `step()` is the commit point (see the module docstring). An LR scheduler
+    given here is restored with the rest; it is held, not changed."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None):
         global _guard
@@ -163,18 +255,14 @@ class Optimizer:
         if _guard is not None:
             raise ConfigError("trainguard.Optimizer supports one optimizer per process; combine parameter groups "
                               "into one optimizer")
+        for name in ("state_dict", "load_state_dict"):
+            if lr_scheduler is not None and not callable(getattr(lr_scheduler, name, None)):
+                raise ConfigError(f"lr_scheduler has no {name}(): give a torch LR scheduler or any object with "
+                                  "state_dict() and load_state_dict()")
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         _guard = self.guard = Guard(self)
-        if lr_scheduler is not None:
-            real = lr_scheduler.step
-
-            def step(*args, **kwargs):  # after a skipped optimizer step the schedule must not move
-                if self.guard.scheduler_may_step():
-                    return real(*args, **kwargs)
-                return None
-
-            lr_scheduler.step = step
+        _pending_state.clear()
 
     def step(self, closure=None):
         return self.guard.step(closure)
@@ -205,73 +293,20 @@ class Optimizer:
         return getattr(self.optimizer, name)
 
 
-class DistributedSampler(ShardedSampler):
-    """A drop-in for torch's DistributedSampler (num_replicas, rank, shuffle, seed, drop_last) that can
-    resume mid-epoch; shards follow the current generation."""
-
-    def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False):
-        super().__init__(dataset, num_shards=num_replicas, shard_id=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
-
-
-class DataLoader(torch.utils.data.DataLoader):
-    """A drop-in for torch's DataLoader whose iterator follows the committed data position: after a
-    skipped step it yields the same batch again, after catching up with a peer the peer's next one."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.sampler, ShardedSampler):
-            raise ConfigError("trainguard.DataLoader needs sampler=trainguard.DistributedSampler(dataset) so that "
-                              "the data position can be restored after a failure")
-
-    def __iter__(self):
-        if _guard is None:  # not training under a guard (e.g. evaluation): a plain loader
-            return super().__iter__()
-        _guard.attach_loader(self)
-        return _Batches(self, _guard)
-
-    def plain_iter(self):
-        return super().__iter__()
-
-
-class _Batches:
-    def __init__(self, loader: DataLoader, guard: Guard):
-        self.loader, self.guard = loader, guard
-        self.restores = guard.session.restores
-        self.epoch = loader.sampler.epoch
-        session = guard.session
-        if self.epoch < session.epoch:
-            raise ConfigError(f"this process resumed at epoch {session.epoch} (step {session.step}), but its loop "
-                              f"is at epoch {self.epoch}: start the epoch loop at trainguard.start_epoch()")
-        if self.epoch == session.epoch and session.in_epoch:
-            loader.sampler.set_position(session.in_epoch * loader.batch_size)
-        self.it = _quietly(loader.plain_iter)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        guard, session = self.guard, self.guard.session
-        session.before_step()
-        if session.restores != self.restores:  # recovered: go on from the committed position
-            self.restores = session.restores
-            if session.epoch > self.epoch:
-                raise StopIteration
-            self.loader.sampler.set_position(session.in_epoch * self.loader.batch_size)
-            self.it = _quietly(self.loader.plain_iter)
-        batch = next(self.it)
-        guard.begin_step(batch)
-        return batch
-
-
-def _quietly(make):
-    """Build an iterator without moving torch's global random stream (the step's stream is seeded)."""
-    state = torch.get_rng_state()
-    try:
-        return make()
-    finally:
-        torch.set_rng_state(state)
+def register_state(name: str, obj) -> None:
+    """Make `obj` (anything with `state_dict()` and `load_state_dict()`: a GradScaler, a second LR scheduler,
+    a metric tracker) part of the job's state: restored with the model on a replacement, after a rewind and
+    from a checkpoint. Call it before training starts; names are unique."""
+    for attr in ("state_dict", "load_state_dict"):
+        if not callable(getattr(obj, attr, None)):
+            raise ConfigError(f"register_state({name!r}, ...): the object has no {attr}()")
+    target = _guard.stateful if _guard is not None else _pending_state
+    if _guard is not None and _guard.session is not None:
+        raise ConfigError(f"register_state({name!r}, ...) after training started: register it before the first "
+                          "forward, batch or start_epoch()")
+    if name in target:
+        raise ConfigError(f"register_state: the name {name!r} is taken")
+    target[name] = obj
 
 
 def start_epoch(default: int = 0) -> int:

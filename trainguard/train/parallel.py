@@ -7,8 +7,11 @@ overlapped with backward as DDP's, deterministic for a given world size and rank
 never raising inside backward (a failed exchange is recorded; the optimizer step is skipped).
 Each generation attaches it to the new process group (`rebuild`); nothing is broadcast then,
 because recovery hands every rank the same state. A fresh job starts from rank 0's parameters
-(`broadcast_from`), as DDP's constructor does. Buffers (e.g. BatchNorm statistics) are broadcast
-from rank 0 before every forward, as DDP's `broadcast_buffers=True` does.
+(`broadcast_from`), as DDP's constructor does. Buffers (e.g. BatchNorm statistics): with
+`broadcast_buffers=True` (DDP's default) every committed step leaves every rank with rank 0's, as
+DDP's broadcast before each forward would, but they ride in the step's exchange instead
+(train/buffers.py), so a forward makes no collective and a skipped step puts them back.
+With `broadcast_buffers=False` each rank keeps its own, and a replacement takes a peer's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..worker.transfer import broadcast_module
+from .buffers import BufferGuard, BufferShare, module_buffers
 from .gradsync import GradSync
 
 log = logging.getLogger("trainguard.parallel")
@@ -51,9 +55,11 @@ class DataParallel(nn.Module):
                               "every generation and attaches the wrapper to it; leave process_group out")
         self.module = module
         self.broadcast_buffers = broadcast_buffers
-        # found once: walking the module tree at every forward costs more than a small model's step
-        object.__setattr__(self, "buffers_to_sync", list(module.buffers()) if broadcast_buffers else [])
         object.__setattr__(self, "sync", GradSync(module, bucket_cap_mb=bucket_cap_mb))
+        buffers = module_buffers(module)
+        if broadcast_buffers:
+            self.sync.share = BufferShare(buffers)
+        object.__setattr__(self, "buffer_guard", BufferGuard(buffers))
         object.__setattr__(self, "group", None)
         self.on_forward: Callable[[], None] | None = None  # the guard starts the job on first use (train/guard.py)
         DataParallel.instances.add(self)
@@ -77,17 +83,7 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         if self.on_forward is not None:
             self.on_forward()
-        if self.buffers_to_sync and self.group is not None:
-            self._sync_buffers()
         return self.module(*args, **kwargs)
-
-    @torch.no_grad()
-    def _sync_buffers(self) -> None:
-        try:
-            for b in self.buffers_to_sync:
-                dist.broadcast(b, 0, group=self.group)
-        except RuntimeError as exc:  # recorded: this step's update is skipped at the optimizer
-            self.sync.record(exc)
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

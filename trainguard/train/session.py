@@ -39,6 +39,7 @@ from ..errors import (
     FencedError,
     RecoveryError,
     Retriable,
+    Rewind,
 )
 from ..worker import runtime as rt_mod
 from ..worker.transfer import all_max, broadcast_int, recv_bytes, send_bytes
@@ -79,8 +80,12 @@ class Session:
         self.recoveries = 0
         self.restores = 0  # completed restores (a data iterator made before one is out of date)
         self.source = ""  # where the last restore took this rank's state from
-        self.user_loop = False  # driven from the user's own loop (guard.py): it decides the end, and a recovery
-        # noticed after a commit waits for the next step
+        self.user_loop = False  # driven from the user's own loop (guard.py): it decides the end, its epochs roll
+        # when the training loader starts the next one, and a recovery noticed after a commit waits for the next step
+        self.rewinds = False  # a fault sends the script back to its committed step (train/rewind.py) instead of
+        # recovering in place
+        self.train_loader: int | None = None  # which of the script's loaders drives the steps (by creation order)
+        self.pass_ended = False  # the training loader's pass over this epoch ran to its end in this process
         self._pending: str | None = None  # a recovery noticed after a commit, deferred to the next step
         self._applied = False  # the optimizer applied this step's update
         self._iter = None
@@ -100,6 +105,7 @@ class Session:
                               "this session has nowhere to write it: add ModelCheckpoint(..., CheckpointConfig("
                               "exception_save=True)) or ExceptionCheckpoint(...) to its callbacks")
         self.sync = state.model.sync if isinstance(state.model, DataParallel) else None
+        self.buffers = state.model.buffer_guard if isinstance(state.model, DataParallel) else None
         if self.sync is not None:
             self.sync.control = lambda: self.stop.signum  # the stop vote rides in the gradient all-reduce
             self.sync.after_launch = lambda: self.phase_point("in_exchange")
@@ -193,23 +199,31 @@ class Session:
         """Run a recovery deferred from the last commit (hand-written loops)."""
         if self._pending is not None:
             reason, self._pending = self._pending, None
+            if self.rewinds:
+                raise Rewind(reason or "the cluster moved on")
             self._recover(form=True, reason=reason)
 
     def begin_step(self, batch=None) -> Step:
         step = Step(self, self.step, self.epoch, self.in_epoch, batch)
         self._applied = False
         self.rt.step = self.step
+        self.seed_step()
         for cb in self.callbacks:
             if hasattr(cb, "on_step_begin"):
                 cb.on_step_begin(self, step)
         self.phase_point("before_exchange")
         return step
 
-    def end_step(self, failure: BaseException | None) -> None:
+    def end_step(self, failure: BaseException | None, batches: int = 1) -> None:
         """The commit point: commit (if the update was applied, or there is none to apply) or skip, then
-        recover if anything failed or the cluster moved on."""
+        recover if anything failed or the cluster moved on. `batches`: the training batches the step took
+        (more than one with gradient accumulation)."""
         if failure is None or self._applied:
-            self._advance()
+            self._advance(batches)
+            if self.buffers is not None:
+                self.buffers.commit()
+        elif self.buffers is not None:  # the skipped step's forward moved them: back to the committed values
+            self.buffers.rollback()
         if failure is None:
             try:
                 stop = self._after_commit()
@@ -229,16 +243,28 @@ class Session:
     def _recover_after(self, *, committed: bool, reason: str) -> None:
         if committed and self.user_loop:  # let the user's code after optimizer.step() run first
             self._pending = reason
+        elif self.rewinds:
+            raise Rewind(reason or "the cluster moved on")
         else:
             self._recover(form=True, reason=reason)
 
-    def _advance(self) -> None:
-        """This rank's state is now at the next step: count it and seed the next step's RNG."""
+    def _advance(self, batches: int = 1) -> None:
+        """This rank's state is now at the next step: count it and seed the next step's RNG. In the user's
+        own loop the epoch rolls only when the training loader starts the next one (`roll_epoch`): until
+        then the job is at the end of this epoch's training, before the code that follows it (eval)."""
         self.step += 1
-        self.in_epoch += 1
-        if self.steps_per_epoch and self.in_epoch - self.phase.start >= self.steps_per_epoch:
-            self.epoch, self.in_epoch, self._iter = self.epoch + 1, 0, None
-            self.phase = elastic.Phase(shards=self.rt.world_size)
+        self.in_epoch += batches
+        if not self.user_loop and self.steps_per_epoch and self.in_epoch - self.phase.start >= self.steps_per_epoch:
+            self.roll_epoch(self.epoch + 1)
+        reseed(self.seed, self.rt.rank, self.step)
+
+    def roll_epoch(self, epoch: int) -> None:
+        self.epoch, self.in_epoch, self._iter, self.pass_ended = epoch, 0, None, False
+        self.phase = elastic.Phase(shards=self.rt.world_size)
+
+    def seed_step(self) -> None:
+        """Seed the step about to run from (job seed, rank, step), whatever ran since the last commit (an eval
+        pass, a loader's shuffle): a step's randomness is the same in every run that reaches it."""
         reseed(self.seed, self.rt.rank, self.step)
 
     def _after_commit(self) -> int:
@@ -268,16 +294,40 @@ class Session:
         """A private copy of the committed state, for a checkpoint (the copy is all an async save blocks on).
         Data-parallel ranks hold the same state and progress, so every rank's part is the same."""
         tensors, meta = flatten_state(self.state.capture_shared(), copy=True)
-        own = pack({"progress": self.progress(), "seed": self.seed})
+        own = pack(self.own())
         return Snapshot(self.step, tensors, meta, own, ranks=dict.fromkeys(range(self.rt.world_size), own))
 
-    def finish(self) -> bool:
-        """The last barrier: everyone reached the end, or a late failure sends us back to recover."""
+    def own(self) -> dict:
+        """What a peer or a checkpoint needs besides the objects' states: the position, the job's seed, and
+        which of the script's loaders drives the steps."""
+        own = {"progress": self.progress(), "seed": self.seed}
+        if self.train_loader is not None:
+            own["loader"] = self.train_loader
+        return own
+
+    def pack_live(self) -> bytes:
+        """This rank's committed state, as sent to a peer (and kept across a rewind)."""
+        return pack({"shared": self.state.capture_shared(), "own": self.own()})
+
+    def adopt(self, blob: bytes) -> None:
+        """Take a committed state kept from this process's previous run of the script (a rewind): the new
+        objects hold it before the job agrees, and this rank reports it as its live state."""
+        state = unpack(blob, "kept state")
+        self.state.load_shared(state["shared"])
+        self._take_progress(state["own"])
+        if self.buffers is not None:
+            self.buffers.refresh()
+        self.holds_state = True
+
+    def finish(self, recover: bool = True) -> bool:
+        """The last barrier: everyone reached the end, or a late failure sends us back to recover (in place,
+        or, with `recover=False`, to the caller: a rewind)."""
         try:
             self.rt.client.agree(self.rt.generation, "finish", {"step": self.step}, self.cfg.agree_timeout)
             return True
         except FencedError:
-            self._recover(form=True, reason="")
+            if recover:
+                self._recover(form=True, reason="")
             return False
 
     # --- recovery ---------------------------------------------------------------------------
@@ -361,7 +411,7 @@ class Session:
             self.seed = broadcast_int(job_seed(), 0, rt.group)
         serve = sorted(int(r) for r, src in sources.items() if src.get("peer") == rt.rank)
         if serve:
-            blob = pack({"shared": self.state.capture_shared(), "own": {"progress": self.progress(), "seed": self.seed}})
+            blob = self.pack_live()
             for q in serve:
                 send_bytes(blob, q, rt.group)
         if own is not None:
@@ -370,6 +420,8 @@ class Session:
             self.phase = elastic.Phase.of({}, rt.world_size)
         if self.sync is not None:
             self.state.model.rebuild(rt.group)
+        if self.buffers is not None:
+            self.buffers.refresh()
         self.holds_state = True
         self.restores += 1
         if self.strategy.elastic and self.sampler is not None:
@@ -388,6 +440,8 @@ class Session:
     def _take_progress(self, own: dict) -> None:
         progress = own["progress"]
         self.step, self.epoch, self.in_epoch = progress["step"], progress["epoch"], progress["in_epoch"]
+        if own.get("loader") is not None:
+            self.train_loader = int(own["loader"])
         self.phase = elastic.Phase.of(progress, self.rt.world_size)
         if own.get("seed") is not None:
             self.seed = int(own["seed"])

@@ -32,6 +32,7 @@ from ..errors import (
     TrainguardError,
 )
 from ..obs.events import EventLog
+from . import collectives
 from .sever import GroupSockets, open_sockets, scheduler_peers
 from .store import SchedulerStore, generation_prefix
 
@@ -68,6 +69,7 @@ class Runtime:
         self._aborted = 0  # the generation whose NCCL communicators were aborted
         self.step = -1
         self.finished = False
+        self.rejoin = False  # the script goes back to its committed step: join the next generation at init()
         self._error: str = ""
         self._register()
 
@@ -233,6 +235,19 @@ class Runtime:
         """True when the scheduler has moved past our generation (seen by the heartbeat)."""
         return bool(self.heart.fenced) or self.heart.generation_seen > self.generation
 
+    def broken(self) -> bool:
+        """This generation is over for us: the cluster moved on, or one of its collectives failed."""
+        return self.membership_changed() or collectives.failures.failed(self.generation) is not None
+
+    def leave(self, reason: str) -> None:
+        """Leave this generation for good (the script goes back to its committed step): cut and drop the
+        group, tell the scheduler why, and join the next one at the next `init()`."""
+        self.drop_group()
+        self.events.emit("left_generation", generation=self.generation, rank=self.rank)
+        if reason:
+            self.report_failure(reason)
+        self.rejoin = True
+
     # --- the end ---------------------------------------------------------------------------
 
     def finish(self, ok: bool = True, detail: str = "", *, stopped: bool = False,
@@ -290,10 +305,17 @@ def init(env=None) -> Runtime:
     - sys.excepthook is chained: an uncaught exception is sent to the scheduler as the job's root
       cause, then the previous hook runs;
     - an atexit handler says goodbye to the scheduler;
-    - RANK, WORLD_SIZE and LOCAL_RANK are set to this generation's values, as torchrun sets them.
+    - RANK, WORLD_SIZE and LOCAL_RANK are set to this generation's values, as torchrun sets them;
+    - torch.distributed's collective functions are wrapped so that a failure comes out typed
+      (`CollectiveFailed`, worker/collectives.py).
+    Called again after a rewind (the script runs again in this process), it joins the next generation.
     Signal handlers (SIGTERM, SIGINT, SIGUSR1) come with the training wrappers, not with init()."""
     global _runtime
     if _runtime is not None:
+        if _runtime.rejoin:  # the script runs again after a rewind: the next generation, before its collectives
+            _runtime.rejoin = False
+            _runtime.form()
+            _export(_runtime)
         return _runtime
     cfg = C.from_env(env)
     if cfg.role is C.Role.SCHEDULER:
@@ -312,11 +334,16 @@ def init(env=None) -> Runtime:
 
     sys.excepthook = hook
     atexit.register(rt._at_exit)
+    collectives.install(lambda: rt.generation)  # every collective's failure comes out typed
     rt.form()
     _runtime = rt
-    # scripts written for torchrun read these after init_process_group(): same names, this generation's values
-    os.environ.update(RANK=str(rt.rank), WORLD_SIZE=str(rt.world_size), LOCAL_RANK=str(rt.local_rank))
+    _export(rt)
     return rt
+
+
+def _export(rt: Runtime) -> None:
+    """Scripts written for torchrun read these after init_process_group(): same names, this generation's values."""
+    os.environ.update(RANK=str(rt.rank), WORLD_SIZE=str(rt.world_size), LOCAL_RANK=str(rt.local_rank))
 
 
 def active() -> Runtime | None:

@@ -1,0 +1,43 @@
+"""Where a script goes back to its committed step (no torch): the worker entry asks, the training side answers.
+
+`trainguard run` runs every worker's script through `launch/worker_main.py`. When the script ends with
+a fault (a failed collective, `Rewind`), the entry calls `rewind(exc)`; the training side, which
+registered itself with `set_handler` when the job's state started, prepares the process (keeps the
+committed state, leaves the broken generation) and answers True: the entry then runs the script
+again, from the top, in the same process. Without a handler, or for any other exception, the answer
+is False and the script's error ends the process as before.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+_handler: Callable[[BaseException], bool] | None = None
+_at_end: Callable[[], bool] | None = None
+_available = False
+
+
+def set_handler(handler: Callable[[BaseException], bool] | None, at_end: Callable[[], bool] | None = None) -> None:
+    """`handler(exc)`: prepare a run after the script raised `exc`; `at_end()`: after it ended, must it run again?"""
+    global _handler, _at_end
+    _handler, _at_end = handler, at_end
+
+
+def allow() -> None:
+    """The worker entry can run the script again: a failure between commit points rewinds."""
+    global _available
+    _available = True
+
+
+def available() -> bool:
+    return _available
+
+
+def rewind(exc: BaseException) -> bool:
+    """True if the process is ready to run the script again after `exc`."""
+    return _available and _handler is not None and _handler(exc)
+
+
+def again_at_end() -> bool:
+    """The script ended: True if it must run again (a peer failed before the job agreed to finish)."""
+    return _available and _at_end is not None and _at_end()

@@ -1,0 +1,95 @@
+"""The buffers a forward moves (BatchNorm's running statistics, counters) are part of the step.
+
+Two things make them exact across a failure:
+
+- **Shared.** Each rank's forward moves its buffers with its own batch, so after a step the ranks
+  hold different statistics; DDP makes them equal again by broadcasting rank 0's before the next
+  forward. If rank 0 died in between, its statistics died with it, and its replacement would take
+  another rank's: a silent difference. `BufferShare` instead hands every rank rank 0's buffers *as
+  part of the step's gradient exchange*: rank 0 writes its buffers into one flat tensor per dtype
+  and the others write zeros, so the all-reduce's sum is rank 0's values exactly (x + 0 is exact),
+  launched with the last gradient bucket. A committed step therefore leaves every rank with the
+  same buffers, they travel with the rest of the shared state, and no forward needs a broadcast
+  (DDP's per-forward broadcast is one collective per buffer; this is one per dtype per step).
+- **Rolled back.** A step that is skipped (its exchange failed) must leave the buffers as they were
+  before its forward. `BufferGuard` keeps a copy of their committed values, refreshed at every
+  commit, and puts them back on a skip.
+
+Only numeric buffers are shared (bool masks do not add); integer counters add exactly too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+NOT_SUMMABLE = (torch.bool,)
+
+
+def module_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """Each buffer once (a buffer shared by two submodules is one tensor)."""
+    seen: dict[int, torch.Tensor] = {}
+    for b in module.buffers():
+        seen.setdefault(id(b), b)
+    return list(seen.values())
+
+
+class BufferShare:
+    """Rank 0's buffers to every rank, riding in the step's exchange (see the module docstring)."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for b in buffers:
+            if b.dtype not in NOT_SUMMABLE and not b.is_complex():
+                groups.setdefault((b.dtype, b.device), []).append(b)
+        self.groups = [(bs, torch.zeros(sum(b.numel() for b in bs), dtype=dt, device=dev))
+                       for (dt, dev), bs in groups.items()]
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    @torch.no_grad()
+    def launch(self, rank: int, group: dist.ProcessGroup) -> list:
+        works = []
+        for bs, flat in self.groups:
+            if rank == 0:
+                torch.cat([b.reshape(-1) for b in bs], out=flat)
+            else:
+                flat.zero_()
+            works.append(dist.all_reduce(flat, group=group, async_op=True))
+        return works
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the exchange completed: every rank takes rank 0's values."""
+        for bs, flat in self.groups:
+            offset = 0
+            for b in bs:
+                n = b.numel()
+                b.copy_(flat[offset:offset + n].view(b.shape))
+                offset += n
+
+
+class BufferGuard:
+    """The committed values of a module's buffers; `rollback()` after a skipped step. Every buffer is copied
+    at every commit: BatchNorm's kernel updates its running statistics in place without moving their
+    version counters, so what a forward changed cannot be told without comparing."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = buffers
+        self.copies: list[torch.Tensor] = [b.detach().clone() for b in buffers]
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """The step counted: its buffers are the committed ones."""
+        if self.buffers:
+            torch._foreach_copy_(self.copies, self.buffers)
+
+    refresh = commit  # after a restore loaded new values
+
+    @torch.no_grad()
+    def rollback(self) -> None:
+        """Put back what a skipped step's forward changed."""
+        if self.buffers:
+            torch._foreach_copy_(self.buffers, self.copies)

@@ -1,0 +1,126 @@
+"""Drop-in loaders for a hand-written loop: any number of them, one of which drives the steps.
+
+`trainguard.DataLoader` is torch's DataLoader (any sampler, `num_workers > 0` too). Each one gets a
+number in the order the script makes them, the same in every run of the script (a replacement, a
+rewind). The loader whose batches lead to `optimizer.step()` is the *training loader*; the job
+learns which one it is at the first commit and keeps it with its state. It follows the committed
+position: after a recovery it goes on from the committed batch, and when its pass over an epoch
+is done the job stays at that epoch's end until the loader starts the next pass (so the code
+after the epoch's batches, an eval pass, is where a fault in it comes back to). It needs
+`trainguard.DistributedSampler` (the position must be settable). Every other loader (eval, test)
+is a plain torch loader whose pass simply starts again when the script comes back to it; each of
+its batches is also a point where a rank notices that the cluster moved on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from . import guard as guard_mod
+from . import rewind as rewind_mod
+from .data import ShardedSampler
+
+
+class DistributedSampler(ShardedSampler):
+    """A drop-in for torch's DistributedSampler (num_replicas, rank, shuffle, seed, drop_last) that can
+    resume mid-epoch; shards follow the current generation."""
+
+    def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False):
+        super().__init__(dataset, num_shards=num_replicas, shard_id=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """A drop-in for torch's DataLoader; see the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tg_index = rewind_mod.next_loader_index()
+
+    def __iter__(self):
+        guard = guard_mod.active()
+        if guard is None:  # not training under a guard: a plain loader
+            return super().__iter__()
+        session = guard.ensure_started()
+        if session.train_loader != self.tg_index:
+            return _OtherBatches(self, guard)
+        if not isinstance(self.sampler, ShardedSampler):
+            raise ConfigError("the loader that drives the training steps needs sampler=trainguard.DistributedSampler("
+                              "dataset), so that its position can be restored after a failure")
+        session.state.loader = self
+        session.sampler = self.sampler
+        return _TrainingBatches(self, guard)
+
+    def plain_iter(self):
+        return super().__iter__()
+
+
+class _OtherBatches:
+    """A pass of a loader that does not drive the steps: torch's iterator, with a check per batch."""
+
+    def __init__(self, loader: DataLoader, guard: "guard_mod.Guard"):
+        self.loader, self.guard = loader, guard
+        self.it = loader.plain_iter()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.guard.poll()
+        batch = next(self.it)
+        self.guard.training_batch(self.loader.tg_index)
+        return batch
+
+
+class _TrainingBatches:
+    """A pass of the training loader, from the committed position."""
+
+    def __init__(self, loader: DataLoader, guard: "guard_mod.Guard"):
+        self.loader, self.guard = loader, guard
+        session = guard.session
+        self.restores = session.restores
+        sampler, steps = loader.sampler, len(loader)
+        if session.in_epoch >= steps and (sampler.epoch > session.epoch or session.pass_ended):
+            session.roll_epoch(max(sampler.epoch, session.epoch + 1))  # the next epoch's pass begins
+        if sampler.epoch_given and sampler.epoch < session.epoch:
+            raise ConfigError(f"this process resumed at epoch {session.epoch} (step {session.step}), but its loop is "
+                              f"at epoch {sampler.epoch}: start the epoch loop at trainguard.start_epoch()")
+        self.it = self._from_position()
+
+    def _from_position(self):
+        session = self.guard.session
+        self.loader.sampler.set_position(session.in_epoch * self.loader.batch_size)
+        return _quietly(self.loader.plain_iter)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        guard, session = self.guard, self.guard.session
+        guard.poll()
+        if session.restores != self.restores:  # recovered in place (started by hand): from the committed position
+            self.restores = session.restores
+            self.it = self._from_position()
+        if not guard.in_step:  # the step's first batch (gradient accumulation takes several)
+            session.seed_step()  # a batch drawn with randomness (augmentation) draws the same in every run
+        try:
+            batch = next(self.it)
+        except StopIteration:
+            if session.in_epoch >= len(self.loader):
+                session.pass_ended = True
+            raise
+        guard.fetched += 1
+        if not guard.in_step:
+            guard.begin_step(batch, loader=self.loader.tg_index)
+        return batch
+
+
+def _quietly(make):
+    """Build an iterator without moving torch's global random stream (the step's stream is seeded)."""
+    state = torch.get_rng_state()
+    try:
+        return make()
+    finally:
+        torch.set_rng_state(state)

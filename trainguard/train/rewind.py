@@ -1,0 +1,104 @@
+"""One point of return: a fault anywhere sends every rank back to the committed step, and the script
+runs again from the top in the same process.
+
+Why from the top. A hand-written trainer makes collectives everywhere: the step's gradient
+exchange, but also an eval pass's metric `all_reduce`, a `barrier()` per epoch, a `broadcast` of a
+stop flag, rank 0's own save. After a failure every rank, the replacement included, must come
+back to the same point of that sequence, or the next collective pairs different calls (a hang, or
+silently wrong sums). A replacement can only start at the top of the script, and a survivor cannot
+jump backwards in its own code; but it can run the script again, as the replacement does, with
+its committed state kept in memory. Then every rank goes through the same code from the same
+committed position: `start_epoch()` gives the epoch, the training loader goes on from the
+committed batch, the other loaders (eval) start their pass again, and the script's own setup
+collectives, barriers and saves happen again on every rank alike. The process keeps its imports
+(torch, the script's modules), its connection to the scheduler and its node id: a rewind costs the
+script's setup, not a process start.
+
+The committed position. After the last step of an epoch the job stays *in* that epoch (at its end)
+until the training loader starts the next one, so a fault in the eval pass that follows comes back
+to before that eval pass, and a fault in the next epoch's first step comes back to after it.
+
+What happens, in order: the exception reaches `trainguard run`'s worker entry
+(launch/worker_main.py), which asks `rewinding.rewind(exc)`; `prepare` puts the buffers a
+half-done step moved back, keeps the committed state (packed, as a peer would receive it),
+disarms the guard, leaves the generation (its group cut and dropped, the failure reported) and
+forgets the loaders; the entry runs the script again; its `trainguard.init()` joins the next
+generation, and the new guard adopts the kept state before the job agrees on the restore step.
+
+Faults, by type only: `Rewind`, `CollectiveFailed` (every collective is typed:
+worker/collectives.py) and torch's `DistError`. Anything else ends the process as before. A
+rank that rewinds more than the retry limit (TG_MAX_RETRIES) times in a row at the same step with
+the same processes gives up (the error ends the process, and the launcher's restart policy takes
+over).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch.distributed as dist
+
+from ..errors import CollectiveFailed, Rewind
+from ..worker import runtime as rt_mod
+
+log = logging.getLogger("trainguard.rewind")
+
+FAULTS: tuple[type[BaseException], ...] = (Rewind, CollectiveFailed, *((dist.DistError,) if hasattr(dist, "DistError")
+                                                                       else ()))
+
+_kept: bytes | None = None
+_loaders_made = 0  # trainguard.DataLoaders made by this run of the script
+_last: tuple[int, frozenset] | None = None  # (step, members) of the last rewind
+_in_a_row = 0
+
+
+def take_kept() -> bytes | None:
+    """The committed state kept by the last rewind, once."""
+    global _kept
+    kept, _kept = _kept, None
+    return kept
+
+
+def next_loader_index() -> int:
+    """A loader's number in this run of the script: the same loader gets the same number in every run."""
+    global _loaders_made
+    _loaders_made += 1
+    return _loaders_made - 1
+
+
+def _count(step: int, members: frozenset, limit: int) -> bool:
+    """False past `limit` rewinds in a row at the same step with the same processes."""
+    global _last, _in_a_row
+    same = _last == (step, members)
+    _last = (step, members)
+    _in_a_row = _in_a_row + 1 if same else 0
+    return _in_a_row <= limit
+
+
+def prepare(guard, exc: BaseException) -> bool:
+    """Make this process ready to run the script again (see the module docstring); False if it cannot."""
+    global _kept
+    rt = rt_mod.active()
+    if rt is None or rt.finished or rt.rejoin:
+        return False
+    session = guard.session if guard is not None else None
+    step = session.step if session is not None else 0
+    if not _count(step, rt.members, rt.cfg.recover_strategy.max_retries):
+        log.warning("rank %d: %d rewinds in a row at step %d with the same processes; giving up", rt.rank,
+                    _in_a_row, step)
+        return False
+    reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if session is not None:
+        if session.buffers is not None:
+            session.buffers.rollback()  # a step cut short moved them
+        _kept = session.pack_live() if session.holds_state else None
+    if guard is not None:
+        guard.close()
+    global _loaders_made
+    _loaders_made = 0  # the script's next run makes its loaders again, in the same order
+    rt.leave(reason)
+    rt.events.emit("rewind", generation=rt.generation, rank=rt.rank, step=step)
+    print(f"trainguard: rank {rt.rank}: back to step {step} ({reason[:200]}); running the script again",
+          file=sys.stderr, flush=True)
+    return True

@@ -1,0 +1,100 @@
+"""Every collective of the job comes out typed: torch.distributed's functions, wrapped once at init().
+
+gloo reports a lost peer as a plain `RuntimeError` ("Connection closed by peer"), the same type as
+a shape mismatch or a DataLoader timeout, so a failure outside trainguard's own exchange could only
+be told apart by its text. `install()` wraps the collective functions of `torch.distributed` (the
+names users and libraries call: `dist.all_reduce`, `dist.barrier`, `dist.broadcast_object_list`,
+...) so that an error raised inside one becomes `CollectiveFailed`, with torch's error as its
+cause, and the generation it happened in is marked failed. From then on every collective of that
+generation fails at once instead of waiting on peers that left (the heartbeat thread also cuts the
+group's connections the moment the scheduler moves on, so one already in flight ends within
+milliseconds, not at gloo's timeout). A new generation starts clean.
+
+What this changes for the script: a collective that fails raises `CollectiveFailed` (a
+`TrainguardError`) instead of `RuntimeError`. Under `trainguard run` that exception sends the
+script back to its committed step (train/rewind.py). Asynchronous calls (`async_op=True`) report
+their failure at `wait()`, untyped; trainguard's own gradient exchange records those itself.
+
+The functions are replaced on the `torch.distributed` module (and `distributed_c10d`, where torch's
+own helpers find them), so a name imported before `trainguard.init()` (`from torch.distributed
+import all_reduce`) keeps the unwrapped function.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ..errors import CollectiveFailed
+
+NAMES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
+         "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
+         "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv",
+         "monitored_barrier")
+
+_lock = threading.Lock()
+_installed = False
+
+
+class Failures:
+    """The generation whose collectives failed, and the first error seen in it."""
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.first: CollectiveFailed | None = None
+
+    def record(self, generation: int, exc: CollectiveFailed) -> None:
+        if self.generation != generation:
+            self.generation, self.first = generation, exc
+
+    def failed(self, generation: int) -> CollectiveFailed | None:
+        return self.first if self.generation == generation else None
+
+
+failures = Failures()
+observers: list = []  # callables (name) run before each synchronous collective: fault injection (train/faults.py)
+_generation = lambda: -1  # noqa: E731  the current generation (set by install)
+
+
+def _wrap(name: str, fn):
+    @functools.wraps(fn)
+    def collective(*args, **kwargs):
+        if observers and not kwargs.get("async_op"):
+            for observe in observers:
+                observe(name)
+        gen = _generation()
+        first = failures.failed(gen)
+        if first is not None:  # the generation is broken: no waiting on peers that left
+            raise CollectiveFailed(f"{name}: generation {gen} already failed ({first})") from first
+        try:
+            return fn(*args, **kwargs)
+        except CollectiveFailed:
+            raise
+        except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError (DistError is one)
+            failed = CollectiveFailed(f"{name} failed in generation {gen}: {str(exc)[:300]}")
+            failures.record(gen, failed)
+            raise failed from exc
+
+    collective.__trainguard_wrapped__ = fn
+    return collective
+
+
+def install(generation) -> None:
+    """Wrap the collectives once per process; `generation()` names the current generation."""
+    global _installed, _generation
+    with _lock:
+        _generation = generation
+        if _installed:
+            return
+        for name in NAMES:
+            fn = getattr(c10d, name, None)
+            if fn is None or hasattr(fn, "__trainguard_wrapped__"):
+                continue
+            wrapped = _wrap(name, fn)
+            setattr(c10d, name, wrapped)
+            if getattr(dist, name, None) is fn:
+                setattr(dist, name, wrapped)
+        _installed = True
