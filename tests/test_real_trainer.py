@@ -94,3 +94,15 @@ def test_a_fault_anywhere_ends_bit_identical(tmp_path, baseline, workers, fault,
         assert_identical(states[r], want_states[r], f"rank {r}")
     assert evals == want_evals  # the metrics every epoch printed
     assert took < 2 * fault_free + 20, f"{what}: {took:.1f} s against {fault_free:.1f} s without a fault"
+
+
+def test_an_error_every_rank_raises_at_the_same_step_ends_the_job_at_once(tmp_path):
+    """A bug in the script is raised by every rank at the same point: restarting would only raise it again (and,
+    with every rank restarted, lose the live state). The ranks compare their errors and the job ends, exit 78."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "0", "--recovery-path",
+         str(tmp_path / "recovery"), str(PORT), "--epochs", "1", "--snapshot", str(tmp_path / "snapshot.pt")],
+        cwd=REPO, env=env(TG_FAULT="0:3:raise,1:3:raise,2:3:raise"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 78, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "every rank raised it at the same step" in proc.stderr
+    assert "InjectedFault" in proc.stderr and "restarting worker" not in proc.stderr

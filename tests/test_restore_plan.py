@@ -1,7 +1,7 @@
 """The restore decision (control/restore_plan.py) for every interleaving of the commit-or-skip protocol
 (docs/ARCHITECTURE.md's table): pure, no sockets."""
 
-from trainguard.control.restore_plan import choose_restore
+from trainguard.control.restore_plan import choose_restore, lost_steps
 
 
 def sources(d):
@@ -40,3 +40,19 @@ def test_no_live_state_the_newest_common_disk_step_then_fresh():
 def test_disk_steps_that_no_step_joins_are_an_error_not_a_silent_restart():
     d = choose_restore({0: {"step": None, "disk": [8]}, 1: {"step": None, "disk": [4]}})
     assert d["step"] is None and "no step can be restored" in d["error"]
+
+
+def test_a_fresh_start_after_committed_steps_is_an_error_not_a_silent_restart():
+    reports = {r: {"step": None, "disk": []} for r in range(3)}
+    assert choose_restore(reports)["sources"]["0"]["kind"] == "init"  # a new job: a fresh start
+    decision = choose_restore(reports, known_step=40)
+    assert decision["step"] is None and "committed 40 steps" in decision["error"]
+    assert "TG_CHECKPOINT_DIR" in decision["error"]
+
+
+def test_a_restore_from_disk_below_the_known_step_says_what_is_lost():
+    reports = {r: {"step": None, "disk": [10, 20]} for r in range(3)}
+    decision = choose_restore(reports, known_step=27)
+    assert (decision["step"], decision["from_step"], lost_steps(decision)) == (20, 27, 7)
+    live = choose_restore({0: {"step": 26}, 1: {"step": 27}}, known_step=28)
+    assert (live["step"], live["from_step"]) == (27, 27)  # live state: the survivors' step, as before

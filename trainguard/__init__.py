@@ -14,6 +14,7 @@ from .errors import (
     CheckpointError,
     ClusterFailed,
     ClusterStateError,
+    CollectiveFailed,
     ConfigError,
     FencedError,
     JobStopped,
@@ -49,7 +50,7 @@ _MINDSPORE = ("Callback", "CheckpointConfig", "ExceptionCheckpoint", "LossMonito
 _LAZY.update(dict.fromkeys(_MINDSPORE, "compat.mindspore"))
 
 __all__ = sorted(set(_LAZY) - set(_MINDSPORE)) + [
-    "CheckpointCorrupt", "CheckpointError", "ClusterFailed", "ClusterStateError", "ConfigError", "FencedError",
+    "CheckpointCorrupt", "CheckpointError", "ClusterFailed", "ClusterStateError", "CollectiveFailed", "ConfigError", "FencedError",
     "ProtocolError", "RecoveryError", "RegistrationRejected", "RendezvousTimeout", "SchedulerUnavailable",
     "TrainguardError", "JobStopped", "Retriable", "Rewind", "EXIT_PREEMPTED", "EXIT_FAULT_STOP",
 ]

@@ -14,6 +14,7 @@ from typing import Callable
 
 _handler: Callable[[BaseException], bool] | None = None
 _at_end: Callable[[], bool] | None = None
+_same_everywhere: Callable[[str], bool] | None = None
 _available = False
 
 
@@ -36,6 +37,17 @@ def available() -> bool:
 def rewind(exc: BaseException) -> bool:
     """True if the process is ready to run the script again after `exc`."""
     return _available and _handler is not None and _handler(exc)
+
+
+def set_error_vote(vote: Callable[[str], bool] | None) -> None:
+    """`vote(signature)`: True if every rank of the job raised an error with this signature at the same step."""
+    global _same_everywhere
+    _same_everywhere = vote
+
+
+def raised_everywhere(signature: str) -> bool:
+    """The script's error was raised by every rank at the same point: a restart would raise it again."""
+    return _same_everywhere is not None and _same_everywhere(signature)
 
 
 def again_at_end() -> bool:

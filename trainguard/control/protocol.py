@@ -121,7 +121,7 @@ class Agree(Msg):
     node_id: NodeId
     incarnation: int = Field(ge=1)
     generation: int = Field(ge=1)
-    purpose: Literal["restore", "finish"]
+    purpose: Literal["restore", "finish", "error"]
     payload: dict = Field(default_factory=dict)
     timeout: float = Field(gt=0)
 

@@ -18,6 +18,9 @@ Deterministic means by type, never by message text:
 - `ImportError` (with `ModuleNotFoundError`): a missing package or name.
 - `trainguard.ConfigError`: trainguard refused a setting or a use (a loader without ShardedSampler,
   a bad TG_* variable, a bad SessionConfig). Subclass it for your own configuration errors.
+- Any other error that every rank of the job raises at the same step, from the same line: the ranks
+  compare their errors through the scheduler (`Runtime.raised_everywhere`, at most 30 s; a rank
+  that alone fails cuts its group first, so its peers regroup and end the vote at once).
 
 An error wrapped in another type (`raise RuntimeError(...) from exc`) is classified by the outer type.
 
@@ -110,10 +113,20 @@ def _fail(script: str, exc: BaseException) -> NoReturn:
         tb = tb.tb_next
     exc = exc.with_traceback(tb)
     sys.excepthook(type(exc), exc, tb)  # trainguard.init() chains its hook here
+    line = describe_error(exc, script)
     if not is_deterministic(exc):
-        raise SystemExit(1) from None
-    print(DETERMINISTIC_MARK + describe_error(exc, script), file=sys.stderr, flush=True)
+        if not rewinding.raised_everywhere(signature(exc)):
+            raise SystemExit(1) from None
+        line += " (every rank raised it at the same step)"
+    print(DETERMINISTIC_MARK + line, file=sys.stderr, flush=True)
     raise SystemExit(EXIT_CONFIG_ERROR) from None
+
+
+def signature(exc: BaseException) -> str:
+    """What the same error raised by every rank has in common: its type and the line that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{type(exc).__module__}.{type(exc).__qualname__} at {where}"
 
 
 def run_and_exit(script: str) -> NoReturn:

@@ -20,7 +20,6 @@ import logging
 import weakref
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 from torch import nn
 

@@ -31,18 +31,15 @@ from typing import Iterator
 
 from ..checkpoint.blob import pack, unpack
 from ..checkpoint.codec import flatten_state
-from ..control.restore_plan import lost_steps
 from ..errors import (
-    ClusterFailed,
     CollectiveFailed,
     ConfigError,
     FencedError,
-    RecoveryError,
     Retriable,
     Rewind,
 )
 from ..worker import runtime as rt_mod
-from ..worker.transfer import all_max, broadcast_int, recv_bytes, send_bytes
+from ..worker.transfer import all_max
 from . import parallel_strategy
 from . import phase as elastic
 from .checkpointing import DiskSources
@@ -50,8 +47,9 @@ from .data import sampler_of
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .parallel import DataParallel
 from .progress import ProgressEvents
+from .recovery import Recovery
 from .snapshots import Snapshot
-from .state import TrainState, job_seed, reseed
+from .state import TrainState, reseed
 from .step import SessionConfig, Step, is_collective_failure
 
 __all__ = ["Session", "SessionConfig", "Step", "is_collective_failure"]
@@ -88,15 +86,14 @@ class Session:
         self.pass_ended = False  # the training loader's pass over this epoch ran to its end in this process
         self._pending: str | None = None  # a recovery noticed after a commit, deferred to the next step
         self._applied = False  # the optimizer applied this step's update
-        self._iter = None
+        self.iterator = None
         self.sampler = sampler_of(state.loader)
-        self._pending_report: float | None = None
+        self.first_step_since: float | None = None  # a recovery's start, until its first step (an event)
         self.last_loss = None  # set by the training body (Model.train) for monitors
         self.last_step: Step | None = None
         self.strategy = self.rt.cfg.recover_strategy
         self.stop = StopRequest()
-        self._retries = 0  # in-process recoveries in a row with nobody restarted
-        self._members: frozenset | None = None
+        self.recovery = Recovery(self)
         self.phase = elastic.Phase()  # the sampler's phase within the epoch (changes only under elastic)
         self.disk_sources = DiskSources(checkpoint, *self.callbacks)
         self.gasp_savers = [c for c in self.disk_sources if c.saves_dying_gasp]
@@ -147,9 +144,9 @@ class Session:
     def _next_batch(self):
         if self.state.loader is None:
             return None
-        if self._iter is None:
-            self._iter = self.make_iter()
-        return next(self._iter)
+        if self.iterator is None:
+            self.iterator = self.make_iter()
+        return next(self.iterator)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -173,7 +170,7 @@ class Session:
     def start(self) -> None:
         """Join the job's state: fresh, from a peer, or from disk (every rank together)."""
         self._recover(form=False, reason="")
-        self._members = self.rt.members
+        self.recovery.members = self.rt.members
         parallel_strategy.write_for(self)
         if self.rt.rank == 0 and self.step:  # a rerun (or a replaced rank 0) says where it stands
             print(f"trainguard: resumed at step {self.step} (epoch {self.epoch}, batch {self.in_epoch}) "
@@ -259,7 +256,7 @@ class Session:
         reseed(self.seed, self.rt.rank, self.step)
 
     def roll_epoch(self, epoch: int) -> None:
-        self.epoch, self.in_epoch, self._iter, self.pass_ended = epoch, 0, None, False
+        self.epoch, self.in_epoch, self.iterator, self.pass_ended = epoch, 0, None, False
         self.phase = elastic.Phase(shards=self.rt.world_size)
 
     def seed_step(self) -> None:
@@ -269,15 +266,15 @@ class Session:
 
     def _after_commit(self) -> int:
         """Events and callbacks of a committed step; returns the stop vote (a signal number or 0)."""
-        self._retries = 0
+        self.recovery.retries = 0
         sync = self.sync
         if sync is not None and sync.controls_fresh():
             stop = max(sync.controls)
         else:  # no gradient exchange this step carried the vote
             stop = all_max(self.stop.signum, self.rt.group)
-        if self._pending_report is not None:
-            took = time.monotonic() - self._pending_report
-            self._pending_report = None
+        if self.first_step_since is not None:
+            took = time.monotonic() - self.first_step_since
+            self.first_step_since = None
             self.rt.events.emit("step_finished", generation=self.rt.generation, step=self.step, rank=self.rt.rank,
                                 recovery_s=round(took, 4))
         for cb in self.callbacks:
@@ -314,10 +311,13 @@ class Session:
         objects hold it before the job agrees, and this rank reports it as its live state."""
         state = unpack(blob, "kept state")
         self.state.load_shared(state["shared"])
-        self._take_progress(state["own"])
+        self.take_progress(state["own"])
         if self.buffers is not None:
             self.buffers.refresh()
         self.holds_state = True
+
+    def _recover(self, *, form: bool, reason: str) -> None:
+        self.recovery.run(form=form, reason=reason)
 
     def finish(self, recover: bool = True) -> bool:
         """The last barrier: everyone reached the end, or a late failure sends us back to recover (in place,
@@ -330,114 +330,7 @@ class Session:
                 self._recover(form=True, reason="")
             return False
 
-    # --- recovery ---------------------------------------------------------------------------
-
-    def _report(self) -> dict:
-        return {"step": self.step if self.holds_state else None, "disk": self.disk_sources.complete_steps(),
-                "node": self.rt.node_id}
-
-    def _count_retry(self, reason: str) -> None:
-        """A recovery with the same processes as before is a retry; past the limit, escalate."""
-        same = self.rt.members == self._members
-        self._members = self.rt.members
-        self._retries = self._retries + 1 if same else 0
-        if self._retries <= self.strategy.max_retries:
-            return
-        why = (f"step {self.step + 1} failed {self._retries} times in a row with every process alive (retry limit "
-               f"{self.strategy.max_retries}, TG_MAX_RETRIES); last error: {reason}")
-        if not self.strategy.restarts:
-            stop_on_fault(self, why)
-        raise RecoveryError(why + "; ending this process so that the launcher restarts it")
-
-    def _recover(self, *, form: bool, reason: str) -> None:
-        t0 = time.monotonic()
-        rt = self.rt
-        if form:
-            self.recoveries += 1
-            log.warning("rank %d: recovering (%s)", rt.rank, reason or "membership changed")
-        reported = False
-        while True:
-            try:
-                if form:
-                    if self.sync is not None:
-                        self.state.model.drop()
-                    rt.drop_group()  # peers blocked in a collective with us fail now, not at its timeout
-                    rt.events.emit("left_generation", generation=rt.generation, rank=rt.rank)
-                    if reason and not reported:
-                        rt.report_failure(reason)
-                        reported = True
-                    rt.form()
-                    self._count_retry(reason or "membership changed")
-                form = True
-                t_agree = time.monotonic()
-                decision = rt.client.agree(rt.generation, "restore", self._report(), self.cfg.agree_timeout)
-                if decision.get("error"):
-                    raise RecoveryError(decision["error"])
-                t_apply = time.monotonic()
-                self._apply(decision)
-                log.info("rank %d: agreed on step %s in %.0f ms, restored in %.0f ms", rt.rank, decision["step"],
-                         1000 * (t_apply - t_agree), 1000 * (time.monotonic() - t_apply))
-                break
-            except ClusterFailed as exc:  # the job is over (failed, or the launcher gave up): leave cleanly
-                stop_on_fault(self, str(exc))
-            except FencedError as exc:
-                log.warning("rank %d: %s; regrouping", rt.rank, exc)
-            except CollectiveFailed as exc:
-                log.warning("rank %d: failure during recovery (%s); regrouping", rt.rank, str(exc)[:200])
-        took = time.monotonic() - t0
-        if self.recoveries or rt.generation > 1:  # a replacement reports its first step too (trainguard report)
-            self._pending_report = t0
-        if self.recoveries and rt.rank == 0:
-            print(f"trainguard: generation {rt.generation}: resumed at step {decision['step']} "
-                  f"(lost {lost_steps(decision)} steps), regrouped and restored in {took:.3f} s", flush=True)
-
-    def _apply(self, decision: dict) -> None:
-        rt = self.rt
-        s = int(decision["step"])
-        sources = decision["sources"]
-        kind = sources[str(rt.rank)]["kind"]
-        own = None
-        if kind == "peer":
-            blob = unpack(recv_bytes(sources[str(rt.rank)]["peer"], rt.group), "peer state")
-            self.state.load_shared(blob["shared"])
-            own = blob["own"]
-        elif kind == "disk":
-            loaded = self.disk_sources.load(s)
-            self.state.load_shared(loaded["shared"])
-            own = loaded["own"]
-        elif kind == "init":  # a fresh job: everyone starts from rank 0's parameters and seed
-            if self.sync is not None:
-                self.state.model.broadcast_from(0, rt.group)
-            self.seed = broadcast_int(job_seed(), 0, rt.group)
-        serve = sorted(int(r) for r, src in sources.items() if src.get("peer") == rt.rank)
-        if serve:
-            blob = self.pack_live()
-            for q in serve:
-                send_bytes(blob, q, rt.group)
-        if own is not None:
-            self._take_progress(own)
-        elif not self.phase.shards:  # a fresh start: the phase of this world
-            self.phase = elastic.Phase.of({}, rt.world_size)
-        if self.sync is not None:
-            self.state.model.rebuild(rt.group)
-        if self.buffers is not None:
-            self.buffers.refresh()
-        self.holds_state = True
-        self.restores += 1
-        if self.strategy.elastic and self.sampler is not None:
-            self.phase = elastic.reshard(self, self.phase)  # a new world size: split the rest of the epoch
-        self._iter = None
-        if self.state.loader is not None and self.in_epoch > 0 and not self.user_loop:
-            self._iter = self.make_iter()  # creating an iterator draws from the RNG: do it before seeding
-        reseed(self.seed, rt.rank, self.step)
-        self.source = {"self": "its own state", "peer": f"rank {sources[str(rt.rank)].get('peer')}",
-                       "disk": "the checkpoint on disk", "init": "a fresh start"}[kind]
-        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind)
-        if rt.rank == 0:
-            rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.get("from_step"),
-                           fresh=decision.get("fresh", False))
-
-    def _take_progress(self, own: dict) -> None:
+    def take_progress(self, own: dict) -> None:
         progress = own["progress"]
         self.step, self.epoch, self.in_epoch = progress["step"], progress["epoch"], progress["in_epoch"]
         if own.get("loader") is not None:

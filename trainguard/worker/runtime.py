@@ -22,6 +22,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from .. import config as C
+from .. import rewinding
 from ..control import protocol as p
 from ..control.client import Heartbeater, SchedulerClient
 from ..errors import (
@@ -40,6 +41,7 @@ log = logging.getLogger("trainguard.worker.runtime")
 
 _runtime: "Runtime | None" = None
 MAX_BUILD_FAILURES = 5
+ERROR_VOTE_S = 30.0  # how long a rank whose script raised waits to learn whether every rank raised the same
 
 
 class Runtime:
@@ -231,6 +233,21 @@ class Runtime:
         except SchedulerUnavailable as exc:
             log.warning("could not report the failure (%s); the scheduler will learn it otherwise", exc)
 
+    def raised_everywhere(self, signature: str) -> bool:
+        """This rank's script raised an error with `signature`: did every rank of the generation raise the same,
+        at the same step? The group is cut first, so a peer blocked with us fails, regroups and fences this
+        question (False) instead of waiting; at most ERROR_VOTE_S."""
+        if self.finished or self.group is None:
+            return False
+        self.drop_group()
+        try:
+            decision = self.client.agree(self.generation, "error", {"signature": signature[:300], "step": self.step},
+                                         ERROR_VOTE_S)
+        except (TrainguardError, OSError) as exc:
+            log.info("rank %d: the error vote ended without a decision (%s)", self.rank, exc)
+            return False
+        return bool(decision.get("same"))
+
     def membership_changed(self) -> bool:
         """True when the scheduler has moved past our generation (seen by the heartbeat)."""
         return bool(self.heart.fenced) or self.heart.generation_seen > self.generation
@@ -333,6 +350,7 @@ def init(env=None) -> Runtime:
         previous_hook(tp, value, tb)
 
     sys.excepthook = hook
+    rewinding.set_error_vote(rt.raised_everywhere)
     atexit.register(rt._at_exit)
     collectives.install(lambda: rt.generation)  # every collective's failure comes out typed
     rt.form()

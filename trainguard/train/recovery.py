@@ -1,0 +1,144 @@
+"""Recovery in place: leave the broken generation, join the next, agree on the restore step, take it.
+
+`Recovery` is the session's collaborator for the part of the protocol that runs between two steps
+(see docs/ARCHITECTURE.md, "The path of a recovery"): each rank reports what it holds
+(`report`), the scheduler decides (control/restore_plan.py), and `apply` carries the decision out:
+ranks at the step keep their state, the others receive it from a holder (or load it from disk, or
+start fresh), holders send it, and the session's position, seed and gradient exchange follow. It
+counts retries (a recovery with the same processes as before) and escalates past the limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ..checkpoint.blob import unpack
+from ..control.restore_plan import lost_steps
+from ..errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
+from ..worker.transfer import broadcast_int, recv_bytes, send_bytes
+from . import phase as elastic
+from .graceful import stop_on_fault
+from .state import job_seed, reseed
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger("trainguard.session")
+
+
+class Recovery:
+    def __init__(self, session: "Session"):
+        self.session = session
+        self.retries = 0  # in-process recoveries in a row with nobody restarted
+        self.members: frozenset | None = None  # the processes of the last recovery
+
+    def report(self) -> dict:
+        session = self.session
+        return {"step": session.step if session.holds_state else None, "disk": session.disk_sources.complete_steps(),
+                "node": session.rt.node_id}
+
+    def count_retry(self, reason: str) -> None:
+        """A recovery with the same processes as before is a retry; past the limit, escalate."""
+        session = self.session
+        same = session.rt.members == self.members
+        self.members = session.rt.members
+        self.retries = self.retries + 1 if same else 0
+        if self.retries <= session.strategy.max_retries:
+            return
+        why = (f"step {session.step + 1} failed {self.retries} times in a row with every process alive (retry limit "
+               f"{session.strategy.max_retries}, TG_MAX_RETRIES); last error: {reason}")
+        if not session.strategy.restarts:
+            stop_on_fault(session, why)
+        raise RecoveryError(why + "; ending this process so that the launcher restarts it")
+
+    def run(self, *, form: bool, reason: str) -> None:
+        session = self.session
+        t0 = time.monotonic()
+        rt = session.rt
+        if form:
+            session.recoveries += 1
+            log.warning("rank %d: recovering (%s)", rt.rank, reason or "membership changed")
+        reported = False
+        while True:
+            try:
+                if form:
+                    if session.sync is not None:
+                        session.state.model.drop()
+                    rt.drop_group()  # peers blocked in a collective with us fail now, not at its timeout
+                    rt.events.emit("left_generation", generation=rt.generation, rank=rt.rank)
+                    if reason and not reported:
+                        rt.report_failure(reason)
+                        reported = True
+                    rt.form()
+                    self.count_retry(reason or "membership changed")
+                form = True
+                t_agree = time.monotonic()
+                decision = rt.client.agree(rt.generation, "restore", self.report(), session.cfg.agree_timeout)
+                if decision.get("error"):
+                    raise RecoveryError(decision["error"])
+                t_apply = time.monotonic()
+                self.apply(decision)
+                log.info("rank %d: agreed on step %s in %.0f ms, restored in %.0f ms", rt.rank, decision["step"],
+                         1000 * (t_apply - t_agree), 1000 * (time.monotonic() - t_apply))
+                break
+            except ClusterFailed as exc:  # the job is over (failed, or the launcher gave up): leave cleanly
+                stop_on_fault(session, str(exc))
+            except FencedError as exc:
+                log.warning("rank %d: %s; regrouping", rt.rank, exc)
+            except CollectiveFailed as exc:
+                log.warning("rank %d: failure during recovery (%s); regrouping", rt.rank, str(exc)[:200])
+        took = time.monotonic() - t0
+        if session.recoveries or rt.generation > 1:  # a replacement reports its first step too (trainguard report)
+            session.first_step_since = t0
+        if session.recoveries and rt.rank == 0:
+            print(f"trainguard: generation {rt.generation}: resumed at step {decision['step']} "
+                  f"(lost {lost_steps(decision)} steps), regrouped and restored in {took:.3f} s", flush=True)
+
+    def apply(self, decision: dict) -> None:
+        session = self.session
+        rt = session.rt
+        s = int(decision["step"])
+        sources = decision["sources"]
+        kind = sources[str(rt.rank)]["kind"]
+        own = None
+        if kind == "peer":
+            blob = unpack(recv_bytes(sources[str(rt.rank)]["peer"], rt.group), "peer state")
+            session.state.load_shared(blob["shared"])
+            own = blob["own"]
+        elif kind == "disk":
+            loaded = session.disk_sources.load(s)
+            session.state.load_shared(loaded["shared"])
+            own = loaded["own"]
+        elif kind == "init":  # a fresh job: everyone starts from rank 0's parameters and seed
+            if session.sync is not None:
+                session.state.model.broadcast_from(0, rt.group)
+            session.seed = broadcast_int(job_seed(), 0, rt.group)
+        serve = sorted(int(r) for r, src in sources.items() if src.get("peer") == rt.rank)
+        if serve:
+            blob = session.pack_live()
+            for q in serve:
+                send_bytes(blob, q, rt.group)
+        if own is not None:
+            session.take_progress(own)
+        elif not session.phase.shards:  # a fresh start: the phase of this world
+            session.phase = elastic.Phase.of({}, rt.world_size)
+        if session.sync is not None:
+            session.state.model.rebuild(rt.group)
+        if session.buffers is not None:
+            session.buffers.refresh()
+        session.holds_state = True
+        session.restores += 1
+        if session.strategy.elastic and session.sampler is not None:
+            session.phase = elastic.reshard(session, session.phase)  # a new world size: split the rest of the epoch
+        session.iterator = None
+        if session.state.loader is not None and session.in_epoch > 0 and not session.user_loop:
+            session.iterator = session.make_iter()  # creating an iterator draws from the RNG: do it before seeding
+        reseed(session.seed, rt.rank, session.step)
+        session.source = {"self": "its own state", "peer": f"rank {sources[str(rt.rank)].get('peer')}",
+                       "disk": "the checkpoint on disk", "init": "a fresh start"}[kind]
+        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind)
+        if rt.rank == 0:
+            rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.get("from_step"),
+                           fresh=decision.get("fresh", False))
