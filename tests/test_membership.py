@@ -327,3 +327,12 @@ def test_describe_lists_every_node(state):
     c = formed(["b", "a"])
     c.nodes["b"].state = state
     assert c.describe() == f"a(rank 0, alive), b(rank 1, {state.value})"
+
+
+def test_a_generation_can_never_form_once_a_member_finished_and_left():
+    c = m.Cluster(worker_num=3)
+    for i in range(3):
+        register(c, str(i))
+    assert fm.never_forms(c) == ""
+    c.nodes["0"].state = m.NodeState.FINISHED
+    assert "0 (finished) already left" in fm.never_forms(c)

@@ -1,4 +1,4 @@
-"""examples/trainer.py, a trainer written the way people write them for torchrun (train and eval loaders,
+"""examples/trainer.py (and examples/lm.py, a language model with an eval pass), a trainer written the way people write them for torchrun (train and eval loaders,
 BatchNorm and dropout, an LR schedule stepped every step, gradient accumulation with no_sync, clipping,
 an eval metric all_reduce, an early-stop broadcast, a barrier per epoch, rank 0's own torch.save snapshot),
 ported by changing imports and a few lines. A kill -9 or SIGSTOP anywhere (in a step, right after an
@@ -22,14 +22,16 @@ from harness import REPO, assert_identical, env, events
 pytestmark = pytest.mark.timeout(300)
 
 ORIGINAL, PORT = REPO / "examples" / "trainer_torchrun.py", REPO / "examples" / "trainer.py"
+LM_ORIGINAL, LM = REPO / "examples" / "lm_torchrun.py", REPO / "examples" / "lm.py"
 EPOCHS = 2  # 3 ranks: 24 batches of 20 a rank an epoch, 2 per step: 12 steps an epoch; 4 ranks: 9
 
 
-def run(out: Path, workers: int, *, fault: str = "", at_collective: str = "", spares: int = 0):
+def run(out: Path, workers: int, *, fault: str = "", at_collective: str = "", spares: int = 0, script: Path = PORT):
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--hot-spares", str(spares),
-         "--recovery-path", str(out / "recovery"), str(PORT), "--epochs", str(EPOCHS),
+         "--recovery-path", str(out / "recovery"), str(script), "--epochs", str(EPOCHS),
          "--snapshot", str(out / "snapshot.pt"), "--out", str(out / "final")],
         cwd=REPO, env=env(TG_FAULT=fault, TG_FAULT_COLLECTIVE=at_collective), capture_output=True, text=True,
         timeout=240)
@@ -39,7 +41,7 @@ def run(out: Path, workers: int, *, fault: str = "", at_collective: str = "", sp
     states = [torch.load(out / "final" / f"rank_{r}.pt", weights_only=True) for r in range(workers)]
     evals = {}
     for line in proc.stdout.splitlines():  # an eval pass a fault interrupted is done again: the last one counts
-        m = re.search(r"epoch (\d+) eval_loss (\S+) accuracy (\S+) lr (\S+)", line)
+        m = re.search(r"epoch (\d+) eval_loss (\S+) (?:accuracy|ema_loss) (\S+)(?: lr (\S+))?", line)
         if m:
             evals[int(m.group(1))] = m.groups()[1:]
     return states, evals, took, proc
@@ -60,8 +62,9 @@ def baseline(tmp_path_factory):
     return get
 
 
-def test_the_port_changes_at_most_ten_lines():
-    original, port = ORIGINAL.read_text().splitlines(), PORT.read_text().splitlines()
+@pytest.mark.parametrize("original,port", [(ORIGINAL, PORT), (LM_ORIGINAL, LM)], ids=["trainer", "lm"])
+def test_the_port_changes_at_most_ten_lines(original, port):
+    original, port = original.read_text().splitlines(), port.read_text().splitlines()
     changed = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in
                   difflib.SequenceMatcher(None, original, port, autojunk=False).get_opcodes() if tag != "equal")
     assert 0 < changed <= 10, "\n".join(difflib.unified_diff(original, port, lineterm=""))
@@ -106,3 +109,16 @@ def test_an_error_every_rank_raises_at_the_same_step_ends_the_job_at_once(tmp_pa
     assert proc.returncode == 78, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "every rank raised it at the same step" in proc.stderr
     assert "InjectedFault" in proc.stderr and "restarting worker" not in proc.stderr
+
+
+def test_the_language_model_survives_a_kill_in_a_step_and_in_the_eval_of_its_moving_average(tmp_path):
+    """examples/lm.py: a registered mask buffer, a LambdaLR schedule, an EMA registered with register_state, two
+    eval passes an epoch. Kill -9 of rank 1 in a step, then of rank 0 at the EMA's eval all_reduce."""
+    want_states, want_evals, fault_free, _ = run(tmp_path / "uninterrupted", 3, script=LM)
+    states, evals, took, proc = run(tmp_path / "faulty", 3, fault="1:10:kill", at_collective="0:all_reduce:2",
+                                    spares=2, script=LM)
+    assert "recovery 2:" in proc.stdout and {"model", "ema", "optimizer", "scheduler"} <= set(states[0])
+    for r in range(3):
+        assert_identical(states[r], want_states[r], f"rank {r}")
+    assert evals == want_evals and sorted(evals) == list(range(EPOCHS))
+    assert took < 2 * fault_free + 20

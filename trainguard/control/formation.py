@@ -105,6 +105,18 @@ def elastic_job_over(cluster: Cluster) -> JobState | None:
     return JobState.STOPPED if NodeState.STOPPED in states else JobState.DONE
 
 
+def never_forms(cluster: Cluster) -> str:
+    """Why no further generation can ever form ("" while one can): a member already finished (or stopped) its
+    training and left, so a join would wait for it until its timeout."""
+    done = sorted((n for n in cluster.nodes.values() if n.state in (NodeState.FINISHED, NodeState.STOPPED)),
+                  key=node_order)
+    if not done:
+        return ""
+    names = ", ".join(f"{n.node_id} ({n.state.value})" for n in done)
+    return (f"generation {cluster.generation + 1} can never form: {names} already left the job after its training; "
+            "this worker came back after the others had finished")
+
+
 def missing_for_formation(cluster: Cluster) -> str:
     have = {n.node_id for n in cluster.alive() if n.node_id in cluster.joined}
     missing = [n for n in cluster.nodes.values() if n.node_id not in have]

@@ -31,6 +31,9 @@ class RendezvousRequests:
                 return node
             if c.formed and c.generation > req.after:
                 return self._formed_reply(node)
+            never = fm.never_forms(c)
+            if never:  # a peer already finished and left: waiting for it would last the whole join timeout
+                return p.Error(code=p.ErrorCode.JOB_OVER, message=never)
             if c.formed and c.generation == req.after:
                 m.bump_generation(c)  # this member has left the formed generation
                 self._persist()

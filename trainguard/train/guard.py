@@ -87,9 +87,6 @@ class Guard:
         session.user_loop = True
         session.rewinds = rewinding.available()
         self.session = session
-        kept = rewind_mod.take_kept()
-        if kept is not None:  # this process ran the script before: its committed state, into the new objects
-            session.adopt(kept)
         if model is not None:
             model.on_forward = self.before_forward
         self._armed = session.stop.armed()
@@ -117,10 +114,13 @@ class Guard:
             self.poll()
 
     def poll(self) -> None:
-        """Between steps: a recovery the commit left pending, or a generation that is over, goes back now."""
+        """Between steps (an eval batch or forward): under a rewind, a recovery the commit left pending or a
+        generation that is over goes back now. Started by hand, recoveries wait for the next training step."""
         session = self.ensure_started()
+        if not session.rewinds:
+            return
         session.before_step()
-        if session.rewinds and session.rt.broken():
+        if session.rt.broken():
             raise Rewind(f"generation {session.rt.generation} is over")
 
     def begin_step(self, batch=None, loader: int | None = None) -> None:
@@ -134,7 +134,12 @@ class Guard:
         self.step_loader = loader if loader is not None else self.recent_loader
 
     def training_batch(self, loader: int) -> None:
-        """A batch came from a loader that is not (yet) known to drive the steps, in training mode."""
+        """A batch came through a plain pass: a candidate for the training loader if drawn in training mode (grad
+        on, the model in train mode) before the job knows which loader that is; the training loader's own pass
+        that was already under way when the first commit named it counts on."""
+        known = self.session.train_loader if self.session is not None else None
+        if known is not None and known != loader:  # another loader (eval), once the training one is known
+            return
         if self.model is None or (torch.is_grad_enabled() and self.model.training):
             self.recent_loader = loader
             self.fetched += 1
@@ -197,7 +202,7 @@ class Guard:
         if session.finish(recover=False):
             self.finished = True
             return False
-        return rewind_mod.prepare(self, Rewind("a peer failed before the job could finish"))
+        return rewind_mod.prepare(Rewind("a peer failed before the job could finish"))
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> DataParallel | None:
@@ -213,25 +218,24 @@ def active() -> Guard | None:
     return _guard
 
 
-def _rewind(exc: BaseException) -> bool:
-    """The worker entry's question after the script raised `exc` (launch/worker_main.py): run it again?"""
+def _forget() -> None:
+    """A rewind: this run's wrappers are done; the script's next run makes a new optimizer, and a new guard."""
     global _guard
-    if not isinstance(exc, rewind_mod.FAULTS) or not rewind_mod.prepare(_guard, exc):
-        return False
-    _guard = None  # the script's next run makes a new optimizer, and with it a new guard
-    return True
+    if _guard is not None:
+        _guard.close()
+    _guard = None
 
 
 def _at_end() -> bool:
     """The script ran to its end: True if it must run again (a peer failed before the job could finish)."""
-    global _guard
     if _guard is None or not _guard.end_of_script():
         return False
-    _guard = None
+    _forget()
     return True
 
 
-rewinding.set_handler(_rewind, _at_end)
+rewind_mod.closers.append(_forget)
+rewind_mod.end_of_script = _at_end
 
 
 def current() -> Guard:

@@ -20,10 +20,10 @@ to before that eval pass, and a fault in the next epoch's first step comes back 
 
 What happens, in order: the exception reaches `trainguard run`'s worker entry
 (launch/worker_main.py), which asks `rewinding.rewind(exc)`; `prepare` puts the buffers a
-half-done step moved back, keeps the committed state (packed, as a peer would receive it),
-disarms the guard, leaves the generation (its group cut and dropped, the failure reported) and
-forgets the loaders; the entry runs the script again; its `trainguard.init()` joins the next
-generation, and the new guard adopts the kept state before the job agrees on the restore step.
+half-done step moved back, keeps the committed state of the run's session (packed, as a peer would
+receive it), leaves the generation (its group cut and dropped, the failure reported) and forgets the
+loaders, and the guard disarms (`closers`); the entry runs the script again; its `trainguard.init()` joins the next
+generation, and the new session adopts the kept state before the job agrees on the restore step.
 
 Faults, by type only: `Rewind`, `CollectiveFailed` (every collective is typed:
 worker/collectives.py) and torch's `DistError`. Anything else ends the process as before. A
@@ -39,6 +39,7 @@ import sys
 
 import torch.distributed as dist
 
+from .. import rewinding
 from ..errors import CollectiveFailed, Rewind
 from ..worker import runtime as rt_mod
 
@@ -48,6 +49,7 @@ FAULTS: tuple[type[BaseException], ...] = (Rewind, CollectiveFailed, *((dist.Dis
                                                                        else ()))
 
 _kept: bytes | None = None
+_live = None  # the Session of this run of the script, once it started
 _loaders_made = 0  # trainguard.DataLoaders made by this run of the script
 _last: tuple[int, frozenset] | None = None  # (step, members) of the last rewind
 _in_a_row = 0
@@ -58,6 +60,12 @@ def take_kept() -> bytes | None:
     global _kept
     kept, _kept = _kept, None
     return kept
+
+
+def track(session) -> None:
+    """`session` holds this run's committed state from now on (Session.start)."""
+    global _live
+    _live = session
 
 
 def next_loader_index() -> int:
@@ -76,13 +84,14 @@ def _count(step: int, members: frozenset, limit: int) -> bool:
     return _in_a_row <= limit
 
 
-def prepare(guard, exc: BaseException) -> bool:
-    """Make this process ready to run the script again (see the module docstring); False if it cannot."""
-    global _kept
+def prepare(exc: BaseException) -> bool:
+    """Make this process ready to run the script again (see the module docstring); False if it cannot. The
+    caller disarms what belongs to the script's run (the guard's signals and exit barrier)."""
+    global _kept, _live
     rt = rt_mod.active()
     if rt is None or rt.finished or rt.rejoin:
         return False
-    session = guard.session if guard is not None else None
+    session = _live
     step = session.step if session is not None else 0
     if not _count(step, rt.members, rt.cfg.recover_strategy.max_retries):
         log.warning("rank %d: %d rewinds in a row at step %d with the same processes; giving up", rt.rank,
@@ -93,8 +102,7 @@ def prepare(guard, exc: BaseException) -> bool:
         if session.buffers is not None:
             session.buffers.rollback()  # a step cut short moved them
         _kept = session.pack_live() if session.holds_state else None
-    if guard is not None:
-        guard.close()
+    _live = None
     global _loaders_made
     _loaders_made = 0  # the script's next run makes its loaders again, in the same order
     rt.leave(reason)
@@ -102,3 +110,24 @@ def prepare(guard, exc: BaseException) -> bool:
     print(f"trainguard: rank {rt.rank}: back to step {step} ({reason[:200]}); running the script again",
           file=sys.stderr, flush=True)
     return True
+
+
+# --- the worker entry's questions (rewinding.py) -------------------------------------------------
+
+closers: list = []  # callables run after a successful `prepare`: the guard forgets this run's wrappers
+end_of_script = None  # callable: True if the script, having ended, must run again (the guard's finish)
+
+
+def _handle(exc: BaseException) -> bool:
+    if not isinstance(exc, FAULTS) or not prepare(exc):
+        return False
+    for close in closers:
+        close()
+    return True
+
+
+def _again_at_end() -> bool:
+    return end_of_script is not None and end_of_script()
+
+
+rewinding.set_handler(_handle, _again_at_end)

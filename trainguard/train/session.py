@@ -42,6 +42,7 @@ from ..worker import runtime as rt_mod
 from ..worker.transfer import all_max
 from . import parallel_strategy
 from . import phase as elastic
+from . import rewind
 from .checkpointing import DiskSources
 from .data import sampler_of
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
@@ -168,7 +169,12 @@ class Session:
         self.phase_point("in_commit")
 
     def start(self) -> None:
-        """Join the job's state: fresh, from a peer, or from disk (every rank together)."""
+        """Join the job's state: fresh, from a peer, or from disk (every rank together). After a rewind this
+        process's committed state, kept from the script's last run, is this rank's live state."""
+        kept = rewind.take_kept()
+        if kept is not None:
+            self.adopt(kept)
+        rewind.track(self)
         self._recover(form=False, reason="")
         self.recovery.members = self.rt.members
         parallel_strategy.write_for(self)

@@ -237,7 +237,7 @@ class Runtime:
         """This rank's script raised an error with `signature`: did every rank of the generation raise the same,
         at the same step? The group is cut first, so a peer blocked with us fails, regroups and fences this
         question (False) instead of waiting; at most ERROR_VOTE_S."""
-        if self.finished or self.group is None:
+        if self.finished or self.group is None or self.world_size < 2:  # alone, every error looks the same
             return False
         self.drop_group()
         try:
