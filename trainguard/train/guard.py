@@ -117,6 +117,7 @@ class Guard:
         """Between steps (an eval batch or forward): under a rewind, a recovery the commit left pending or a
         generation that is over goes back now. Started by hand, recoveries wait for the next training step."""
         session = self.ensure_started()
+        session.rng_touched = True  # eval between steps: the next step seeds again
         if not session.rewinds:
             return
         session.before_step()
@@ -129,6 +130,8 @@ class Guard:
         if self._resync is not None:
             self._put_back(self._resync)
             self._resync = None
+        if loader is None:  # begun by the forward (the batch came from elsewhere): seed here, if needed
+            session.seed_step()
         session.begin_step(batch)
         self.in_step = True
         self.step_loader = loader if loader is not None else self.recent_loader

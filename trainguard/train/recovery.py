@@ -136,6 +136,7 @@ class Recovery:
         if session.state.loader is not None and session.in_epoch > 0 and not session.user_loop:
             session.iterator = session.make_iter()  # creating an iterator draws from the RNG: do it before seeding
         reseed(session.seed, rt.rank, session.step)
+        session.rng_touched = True  # and again where the step begins: the code before it may differ from the run that failed
         session.source = {"self": "its own state", "peer": f"rank {sources[str(rt.rank)].get('peer')}",
                        "disk": "the checkpoint on disk", "init": "a fresh start"}[kind]
         rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind)
