@@ -112,12 +112,12 @@ class Guard:
             self.begin_step()
         else:
             self.poll()
+            self.session.rng_touched = True  # eval between steps: the next step seeds again
 
     def poll(self) -> None:
         """Between steps (an eval batch or forward): under a rewind, a recovery the commit left pending or a
         generation that is over goes back now. Started by hand, recoveries wait for the next training step."""
         session = self.ensure_started()
-        session.rng_touched = True  # eval between steps: the next step seeds again
         if not session.rewinds:
             return
         session.before_step()
@@ -136,16 +136,18 @@ class Guard:
         self.in_step = True
         self.step_loader = loader if loader is not None else self.recent_loader
 
-    def training_batch(self, loader: int) -> None:
+    def training_batch(self, loader: int) -> bool:
         """A batch came through a plain pass: a candidate for the training loader if drawn in training mode (grad
         on, the model in train mode) before the job knows which loader that is; the training loader's own pass
         that was already under way when the first commit named it counts on."""
         known = self.session.train_loader if self.session is not None else None
         if known is not None and known != loader:  # another loader (eval), once the training one is known
-            return
+            return False
         if self.model is None or (torch.is_grad_enabled() and self.model.training):
             self.recent_loader = loader
             self.fetched += 1
+            return True
+        return False
 
     # --- the commit point ------------------------------------------------------------------------
 

@@ -70,7 +70,8 @@ class _OtherBatches:
     def __next__(self):
         self.guard.poll()
         batch = next(self.it)
-        self.guard.training_batch(self.loader.tg_index)
+        if not self.guard.training_batch(self.loader.tg_index):
+            self.guard.session.rng_touched = True  # eval between steps: the next step seeds again
         return batch
 
 
