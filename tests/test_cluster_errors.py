@@ -362,7 +362,7 @@ def test_stale_incarnation_and_stale_generation_are_fenced(tmp_path):
         # a stale generation: agreement and rendezvous store of generation 1 are refused once 2 formed
         assert [f.generation for f in join_all((c0, 1), (c1b, 0))] == [2, 2]
         with pytest.raises(FencedError, match=r"generation 1 is over \(now 2\)"):
-            c0.agree(1, "restore", {}, timeout=2)
+            c0.agree(1, "restore", {"step": None, "disk": []}, timeout=2)
         with pytest.raises(FencedError, match=r"generation 1 refused \(now 2\)"):
             c0.store(p.StoreOp(generation=1, op="set", keys=["k"], value=b"old"))
         assert isinstance(c0.store(p.StoreOp(generation=2, op="set", keys=["k"], value=b"new")), p.StoreReply)

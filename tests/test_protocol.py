@@ -20,7 +20,7 @@ REQUESTS = [
     p.Join(node_id="0", incarnation=1, after=0, timeout=30.0),
     p.ReportFailure(node_id="0", incarnation=1, generation=3, kind=p.FailureKind.COLLECTIVE, detail="gloo: peer gone"),
     p.Agree(node_id="1", incarnation=5, generation=2, purpose="restore",
-            payload={"memory": [[10, True], [9, False]], "disk": [5]}, timeout=60.0),
+            payload={"step": None, "memory": {"0": [10, 9]}, "disk": [5], "shard": 1}, timeout=60.0),
     p.Finish(node_id="1", incarnation=1, ok=False, detail="Traceback ...\nRuntimeError: x"),
     p.ProcessExited(node_id="1", pid=77, exit_code=None, signal=9, detail=""),
     p.Status(),

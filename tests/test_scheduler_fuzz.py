@@ -134,10 +134,15 @@ def test_a_handler_that_fails_on_a_hostile_value_answers_with_an_error(tmp_path)
     me = {"node_id": "0", "incarnation": members[0].identity.incarnation, "generation": 1, "type": "store"}
     replies = raw_requests(address, [{**me, "op": "set", "keys": ["k"], "value": b"not a number"},
                                      {**me, "op": "add", "keys": ["k"], "amount": 1},
-                                     {**me, "op": "set", "keys": ["n"], "value": b"1"},
+                                     {**me, "op": "set", "keys": ["n"], "value": str(2**63 - 2).encode()},
+                                     {**me, "op": "add", "keys": ["n"], "amount": 2},
+                                     {**me, "op": "add", "keys": ["n"], "amount": 1},
                                      {**me, "op": "add", "keys": ["n"], "amount": 2**64 - 1}])
-    assert [type(r).__name__ for r in replies] == ["StoreReply", "Error", "StoreReply", "Error"]
-    assert "ValueError" in replies[1].message and "OverflowError" in replies[3].message  # answered, still open
+    assert [type(r).__name__ for r in replies] == ["StoreReply", "Error", "StoreReply", "Error", "StoreReply",
+                                                   "Error"]
+    assert "is not a decimal integer" in replies[1].message  # answered, the connection still open
+    assert "leaves the int64 range" in replies[3].message and replies[4].number == 2**63 - 1  # left unchanged
+    assert "amount: Input should be less than or equal to 9223372036854775807" in replies[5].message
     assert query_status(address)["worker_num"] == 2 and thread.is_alive()
 
 

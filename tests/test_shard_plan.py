@@ -6,6 +6,7 @@ import pytest
 
 from trainguard import ConfigError, MeshSpec
 from trainguard.control.decisions import decide_agreement
+from trainguard.control.reports import RestoreReport
 from trainguard.control.shard_plan import choose_sharded_restore
 
 DPxTP = MeshSpec((2, 2), ("dp", "tp"), replicate=("dp",))  # shards 0 1 0 1
@@ -48,7 +49,7 @@ def test_world_size_mismatch_names_the_fix():
 
 def test_a_dead_rank_takes_its_live_replica_and_survivors_keep_theirs():
     reports = {0: rep(DPxTP, 0, 7), 1: rep(DPxTP, 1, None), 2: rep(DPxTP, 2, 7), 3: rep(DPxTP, 3, 7)}
-    d = decide_agreement("restore", reports)  # the scheduler routes sharded reports here
+    d = decide_agreement("restore", {r: RestoreReport(**x) for r, x in reports.items()})  # sharded: routed here
     assert d["step"] == 7 and d["from_step"] == 7
     assert d["sources"] == {"0": {"kind": "self"}, "1": {"kind": "peer", "peer": 3, "from": "live"},
                             "2": {"kind": "self"}, "3": {"kind": "self"}}

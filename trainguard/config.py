@@ -76,6 +76,8 @@ DEFAULT_QUARANTINE_S = 30.0
 DEFAULT_GRACE_PERIOD_S = 10.0
 DEFAULT_MPI_PORT = 8118
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_WORKER_NUM = 1 << 20  # workers in one job (TG_WORKER_NUM, a world size); 10,000 measured: bench/scheduler_scale.py
+MAX_SLOTS = 4096  # worker processes one host may run (--workers, --slots, hot spares)
 MIN_SECRET_CHARS, MAX_SECRET_BYTES = 16, 4096
 MIN_GROUP_BUILD_TIMEOUT_S = 10.0
 
@@ -123,8 +125,8 @@ class ClusterConfig:
     tls: tlsconfig.TLSConfig | None = None  # TG_ENABLE_SSL + TG_SSL_CONFIG (tlsconfig.py, control/tls.py)
 
     def __post_init__(self) -> None:
-        if self.worker_num < 1:
-            raise ConfigError(f"worker count must be >= 1, got {self.worker_num}")
+        if not 1 <= self.worker_num <= MAX_WORKER_NUM:
+            raise ConfigError(f"worker count must be in 1..{MAX_WORKER_NUM}, got {self.worker_num}")
         if not 0 <= self.sched_port <= 65535:
             raise ConfigError(f"scheduler port must be in 0..65535, got {self.sched_port}")
         if self.node_id is not None and not NODE_ID_RE.match(self.node_id):
@@ -322,7 +324,8 @@ def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig:
         role = _role(*_required(env, ROLE_ENV, "this process's role", _same_role))
         host = _required(env, SCHED_HOST_ENV, "the scheduler's host or IP address")[1].strip()
         port = parse_int(*_required(env, SCHED_PORT_ENV, "the scheduler's TCP port"), lo=1, hi=65535)
-        workers = parse_int(*_required(env, WORKER_NUM_ENV, "the number of worker processes"), lo=1)
+        workers = parse_int(*_required(env, WORKER_NUM_ENV, "the number of worker processes"), lo=1,
+                            hi=MAX_WORKER_NUM)
         node = _pick(env, NODE_ID_ENV)
         return ClusterConfig(
             role=role, mode=mode, sched_host=host, sched_port=port, worker_num=workers,
@@ -330,14 +333,14 @@ def from_env(env: Mapping[str, str] | None = None) -> ClusterConfig:
         )
     if mode is LaunchMode.TORCHRUN:
         rank = parse_int(TORCHRUN_RANK, env[TORCHRUN_RANK], lo=0)
-        world = parse_int(TORCHRUN_WORLD, env[TORCHRUN_WORLD], lo=1)
+        world = parse_int(TORCHRUN_WORLD, env[TORCHRUN_WORLD], lo=1, hi=MAX_WORKER_NUM)
         local = env.get(TORCHRUN_LOCAL_RANK, "")
         host = env.get(TORCHRUN_ADDR, "") or "127.0.0.1"
         port_env = _pick(env, SCHED_PORT_ENV)
         port = parse_int(*port_env, lo=1, hi=65535) if port_env else 0  # 0: published via torchrun's store
     else:
         rank = parse_int(MPI_RANK, env[MPI_RANK], lo=0)
-        world = parse_int(MPI_SIZE, env[MPI_SIZE], lo=1)
+        world = parse_int(MPI_SIZE, env[MPI_SIZE], lo=1, hi=MAX_WORKER_NUM)
         local = env.get(MPI_LOCAL_RANK, "")
         host_env = _pick(env, SCHED_HOST_ENV)
         host = host_env[1] if host_env else (env.get(TORCHRUN_ADDR, "") or "127.0.0.1")

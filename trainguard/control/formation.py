@@ -67,6 +67,14 @@ def try_form(cluster: Cluster, now: float = 0.0, elastic_deadline: float | None 
     return True
 
 
+def unknown_generation(cluster: Cluster, after: int) -> str:
+    """Why a join after generation `after` is refused: a member can only have left a generation that formed.
+    (Waiting on it would never end: the generation it asks to come after is never formed.)"""
+    newest = cluster.generation if cluster.formed else cluster.generation - 1
+    return (f"join after generation {after}: the newest generation this job formed is {newest}; a member joins "
+            "after the generation it last belonged to (a stale or foreign client?)")
+
+
 def generation_members(cluster: Cluster) -> tuple[str, ...]:
     """Node ids of the current generation in generation-rank order (a scheduler restarted from
     cluster.db has not stored them: every node that is not dead, by fixed rank)."""

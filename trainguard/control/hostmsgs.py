@@ -11,7 +11,20 @@ from typing import Literal
 
 from pydantic import Field
 
-from .msgbase import Host, Msg, NodeId
+from .msgbase import (
+    MAX_SLOTS,
+    MAX_WORKER_NUM,
+    BeatStep,
+    Generation,
+    Host,
+    Incarnation,
+    Msg,
+    NodeId,
+    NodeRank,
+    Seq,
+    Slots,
+    Text,
+)
 
 MAX_HOST_BEATS = 4096  # workers in one host beat
 
@@ -20,26 +33,26 @@ class AgentSync(Msg):
     """From an agent, every few tenths of a second under `recover`: what it runs; answered with its orders."""
 
     type: Literal["agent_sync"] = "agent_sync"
-    agent: int = Field(ge=0)  # its node rank
+    agent: NodeRank  # its node rank (below the job's worker count: bounds.py)
     host: Host
-    slots: int = Field(ge=1)
-    running: list[NodeId] = Field(default_factory=list, max_length=4096)
-    handled: list[int] = Field(default_factory=list, max_length=4096)  # order seqs it has carried out
+    slots: Slots
+    running: list[NodeId] = Field(default_factory=list, max_length=MAX_SLOTS)
+    handled: list[Seq] = Field(default_factory=list, max_length=MAX_SLOTS)  # order seqs it has carried out
 
 
 class AgentPlace(Msg):
     """From an agent whose worker died under `recover`: where does it start again?"""
 
     type: Literal["agent_place"] = "agent_place"
-    agent: int = Field(ge=0)
+    agent: NodeRank
     node_id: NodeId
     in_place_ok: bool = False
 
 
 class Beat(Msg):
     node_id: NodeId
-    incarnation: int = Field(ge=1)
-    step: int = Field(ge=-1)
+    incarnation: Incarnation
+    step: BeatStep
     age_ms: int = Field(ge=0, le=3_600_000)  # how long ago the worker beat to its agent
 
 
@@ -55,31 +68,31 @@ class HostBeat(Msg):
 
 
 class Order(Msg):
-    seq: int
-    node_id: str
-    origin: int  # the agent it died on
+    seq: Seq
+    node_id: NodeId
+    origin: NodeRank  # the agent it died on
 
 
 class AgentOrders(Msg):
     type: Literal["agent_orders"] = "agent_orders"
-    start: list[Order] = Field(default_factory=list)
-    job: str = "running"
-    root_cause: str = ""
-    elsewhere: int = 0  # workers running on (or placed on) the other live agents
+    start: list[Order] = Field(default_factory=list, max_length=MAX_SLOTS)
+    job: str = Field("running", max_length=64)
+    root_cause: Text = ""
+    elsewhere: int = Field(0, ge=0, le=MAX_WORKER_NUM)  # workers running on (or placed on) the other live agents
 
 
 class Placed(Msg):
     type: Literal["placed"] = "placed"
     action: Literal["move", "in_place", "fail"]
-    target: int | None = None
-    reason: str = ""
+    target: NodeRank | None = None
+    reason: Text = ""
 
 
 class Refused(Msg):
-    node_id: str
-    incarnation: int
-    code: str
-    message: str
+    node_id: NodeId
+    incarnation: Incarnation
+    code: str = Field(max_length=64)
+    message: Text
 
 
 class HostBeatAck(Msg):
@@ -87,7 +100,7 @@ class HostBeatAck(Msg):
     (a fenced or unknown incarnation), each as the worker's own heartbeat would have been refused."""
 
     type: Literal["host_beat_ack"] = "host_beat_ack"
-    generation: int
+    generation: Generation
     formed: bool
     job_over: bool = False
-    refused: list[Refused] = Field(default_factory=list)
+    refused: list[Refused] = Field(default_factory=list, max_length=MAX_HOST_BEATS)

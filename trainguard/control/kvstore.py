@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from . import protocol as p
+from .msgbase import INT64_MAX
 
 
 class KVStore:
@@ -23,7 +24,7 @@ class KVStore:
         for g in [g for g in self._data if g != generation]:
             del self._data[g]
 
-    def apply(self, req: p.StoreOp) -> p.StoreReply:
+    def apply(self, req: p.StoreOp) -> p.StoreReply | p.Error:
         space = self._data[req.generation]
         op, keys = req.op, req.keys
         if op == "set":
@@ -36,9 +37,7 @@ class KVStore:
         if op == "check":
             return p.StoreReply(flag=all(k in space for k in keys))
         if op == "add":
-            value = int(space.get(keys[0], b"0")) + req.amount
-            space[keys[0]] = str(value).encode()
-            return p.StoreReply(number=value)
+            return self._add(space, keys[0], req.amount)
         if op == "delete":
             return p.StoreReply(flag=space.pop(keys[0], None) is not None)
         if op == "compare_set":
@@ -50,3 +49,23 @@ class KVStore:
         if op == "num_keys":
             return p.StoreReply(number=len(space))
         raise AssertionError(op)
+
+    @staticmethod
+    def _add(space: dict[str, bytes], key: str, amount: int) -> p.StoreReply | p.Error:
+        """torch's Store.add: the key's value as a decimal int64, plus `amount`; anything else is refused and
+        the value left as it was."""
+        old = space.get(key, b"0")
+        try:
+            value = int(old) + amount if len(old) <= 20 else None
+        except ValueError:
+            value = None
+        if value is None:
+            return p.Error(code=p.ErrorCode.BAD_MESSAGE, message=(
+                f"store add on key {key[:100]!r}: its value {old[:40]!r} is not a decimal integer; "
+                "add only to keys that only add writes"))
+        if not -INT64_MAX - 1 <= value <= INT64_MAX:
+            return p.Error(code=p.ErrorCode.BAD_MESSAGE, message=(
+                f"store add on key {key[:100]!r}: {int(old)} + {amount} leaves the int64 range "
+                f"{-INT64_MAX - 1}..{INT64_MAX} of torch's Store.add; the value is unchanged"))
+        space[key] = str(value).encode()
+        return p.StoreReply(number=value)

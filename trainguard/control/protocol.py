@@ -35,12 +35,25 @@ from .hostmsgs import (  # an agent's messages: placement under `recover`, its h
     Refused,  # noqa: F401  (p.Refused)
 )
 from .msgbase import (  # the base of every message, the field types
+    MAX_WORKER_NUM,
+    BeatStep,
+    ExitCode,
+    FixedRank,
+    Generation,
     Host,
+    Incarnation,
+    Int64,
     Key,
     Msg,
     NodeId,
+    NodeRank,
     Pid,
+    SignalNum,
+    Text,
+    Wait,
+    WorkerNum,
 )
+from .reports import ErrorReport, FinishReport, RestoreReport
 
 MAGIC = b"TG"
 PROTOCOL_VERSION = 1
@@ -75,24 +88,24 @@ class Register(Msg):
     node_id: NodeId | None = None
     host: Host
     pid: Pid
-    worker_num: int = Field(ge=1)
+    worker_num: WorkerNum
 
 
 class Reattach(Msg):
     type: Literal["reattach"] = "reattach"
     node_id: NodeId
-    incarnation: int = Field(ge=1)
+    incarnation: Incarnation
     host: Host
     pid: Pid
-    worker_num: int = Field(ge=1)
+    worker_num: WorkerNum
 
 
 class Heartbeat(Msg):
     type: Literal["heartbeat"] = "heartbeat"
     node_id: NodeId
-    incarnation: int = Field(ge=1)
-    generation: int = Field(ge=0)
-    step: int = Field(ge=-1)
+    incarnation: Incarnation
+    generation: Generation
+    step: BeatStep
 
 
 class Join(Msg):
@@ -100,16 +113,16 @@ class Join(Msg):
 
     type: Literal["join"] = "join"
     node_id: NodeId
-    incarnation: int = Field(ge=1)
-    after: int = Field(ge=0)
-    timeout: float = Field(gt=0)
+    incarnation: Incarnation
+    after: Generation
+    timeout: Wait
 
 
 class ReportFailure(Msg):
     type: Literal["report_failure"] = "report_failure"
     node_id: NodeId
-    incarnation: int = Field(ge=1)
-    generation: int = Field(ge=0)
+    incarnation: Incarnation
+    generation: Generation
     kind: FailureKind
     detail: str = Field(default="", max_length=8192)
 
@@ -119,19 +132,26 @@ class Agree(Msg):
 
     type: Literal["agree"] = "agree"
     node_id: NodeId
-    incarnation: int = Field(ge=1)
-    generation: int = Field(ge=1)
+    incarnation: Incarnation
+    generation: Generation
     purpose: Literal["restore", "finish", "error"]
-    payload: dict = Field(default_factory=dict)
-    timeout: float = Field(gt=0)
+    payload: RestoreReport | FinishReport | ErrorReport  # each has a field the others lack (reports.py)
+    timeout: Wait
+
+    @model_validator(mode="after")
+    def _report_for_purpose(self):
+        want = REPORTS[self.purpose]
+        if not isinstance(self.payload, want):
+            raise ValueError(f"payload: an agree on {self.purpose!r} carries a {want.__name__}")
+        return self
 
 
 class Finish(Msg):
     type: Literal["finish"] = "finish"
     node_id: NodeId
-    incarnation: int = Field(ge=1)
+    incarnation: Incarnation
     ok: bool
-    detail: str = Field(default="", max_length=16384)
+    detail: Text = ""
     stopped: bool = False  # a graceful exit at a commit point (signal): the job ends as stopped, not done
 
 
@@ -141,9 +161,9 @@ class ProcessExited(Msg):
     type: Literal["process_exited"] = "process_exited"
     node_id: NodeId
     pid: Pid
-    exit_code: int | None = None
-    signal: int | None = None
-    detail: str = Field(default="", max_length=16384)
+    exit_code: ExitCode | None = None
+    signal: SignalNum | None = None
+    detail: Text = ""
     final: bool = False  # the agent will not restart it (strategy or budget): the job fails with this root cause
 
 
@@ -155,15 +175,15 @@ class StoreOp(Msg):
     """torch.distributed Store operations, fenced by generation."""
 
     type: Literal["store"] = "store"
-    generation: int = Field(ge=1)
+    generation: Generation
     node_id: NodeId | None = None  # who asks: only members of `generation` may use its store
-    incarnation: int | None = Field(default=None, ge=1)
+    incarnation: Incarnation | None = None
     op: Literal["set", "get", "add", "check", "wait", "delete", "compare_set", "num_keys"]
     keys: list[Key] = Field(default_factory=list, max_length=4096)
     value: bytes = b""
     expected: bytes = b""
-    amount: int = 0
-    timeout: float = Field(default=60.0, gt=0)
+    amount: Int64 = 0  # torch's Store.add takes an int64; a sum that would leave it is refused (kvstore.py)
+    timeout: Wait = 60.0
 
     @model_validator(mode="after")
     def _one_key(self):
@@ -172,6 +192,8 @@ class StoreOp(Msg):
         return self
 
 
+
+REPORTS = {"restore": RestoreReport, "finish": FinishReport, "error": ErrorReport}
 
 Request = Annotated[
     Union[Register, Reattach, Heartbeat, Join, ReportFailure, Agree, Finish, ProcessExited, Status, StoreOp,
@@ -183,36 +205,36 @@ Request = Annotated[
 
 
 class Member(Msg):
-    node_id: str
-    rank: int
-    host: str
-    pid: int
-    incarnation: int
+    node_id: NodeId
+    rank: NodeRank
+    host: Host
+    pid: Pid
+    incarnation: Incarnation
 
 
 class Registered(Msg):
     type: Literal["registered"] = "registered"
-    node_id: str
-    rank: int
-    incarnation: int
-    generation: int
-    worker_num: int
+    node_id: NodeId
+    rank: FixedRank
+    incarnation: Incarnation
+    generation: Generation
+    worker_num: WorkerNum
 
 
 class HeartbeatAck(Msg):
     type: Literal["heartbeat_ack"] = "heartbeat_ack"
-    generation: int
+    generation: Generation
     formed: bool
     job_over: bool = False
 
 
 class Formed(Msg):
     type: Literal["formed"] = "formed"
-    generation: int
-    rank: int
-    world_size: int
-    local_rank: int
-    members: list[Member]
+    generation: Generation
+    rank: NodeRank
+    world_size: WorkerNum
+    local_rank: NodeRank
+    members: list[Member] = Field(max_length=MAX_WORKER_NUM)
 
 
 class Agreed(Msg):
@@ -223,7 +245,7 @@ class Agreed(Msg):
 class StoreReply(Msg):
     type: Literal["store_reply"] = "store_reply"
     value: bytes = b""
-    number: int = 0
+    number: Int64 = 0
     flag: bool = False
 
 
@@ -239,7 +261,7 @@ class Ok(Msg):
 class Error(Msg):
     type: Literal["error"] = "error"
     code: ErrorCode
-    message: str
+    message: str = Field(max_length=1 << 20)  # a full cluster's reply names every node id
     retry: bool = False
 
 

@@ -31,6 +31,8 @@ class RendezvousRequests:
                 return node
             if c.formed and c.generation > req.after:
                 return self._formed_reply(node)
+            if req.after > c.generation:  # waiting would never end: with this generation formed, it would spin
+                return p.Error(code=p.ErrorCode.BAD_MESSAGE, message=fm.unknown_generation(c, req.after))
             never = fm.never_forms(c)
             if never:  # a peer already finished and left: waiting for it would last the whole join timeout
                 return p.Error(code=p.ErrorCode.JOB_OVER, message=never)
@@ -83,7 +85,7 @@ class RendezvousRequests:
         got[fm.generation_rank(c, node.node_id)] = req.payload
         if len(got) == fm.generation_size(c) and key not in self._decisions:
             decision = decide_agreement(req.purpose, got, max(self._known_step, self.view.job_step()))
-            if isinstance(decision.get("step"), int):
+            if isinstance(decision.get("step"), int):  # bounded: every report's step is (reports.py)
                 self._known_step = max(self._known_step, decision["step"])
             self._decisions[key] = decision
             if self.elastic and req.purpose == "finish" and decision.get("ok"):

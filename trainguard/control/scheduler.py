@@ -24,6 +24,7 @@ from . import membership as m
 from . import protocol as p
 from .agentreqs import AgentRequests
 from .agents import AgentBoard  # recover: where a dead worker starts again
+from .bounds import outside_job
 from .changes import Changes
 from .commit import GroupCommit
 from .conn import SchedulerConnection
@@ -220,6 +221,9 @@ class Scheduler(RendezvousRequests, AgentRequests):
         if req.type in auth.AGENT_ONLY and not conn.agent:
             return p.Error(code=p.ErrorCode.BAD_MESSAGE, message=(
                 f"{req.type}: only an agent may send it, and this connection holds a worker's secret"))
+        bad = outside_job(req, self.cluster.worker_num)
+        if bad:
+            return p.Error(code=p.ErrorCode.BAD_MESSAGE, message=bad)
         handler = getattr(self, f"_on_{req.type}")
         return handler(req, conn) if req.type == "heartbeat" else handler(req)
 

@@ -19,6 +19,7 @@ from typing import Any
 from ..obs.events import EventTail
 from ..obs.timeline import build
 from . import membership as m
+from .msgbase import INT64_MAX
 
 RATE_WINDOW_S = 30.0  # the step rate is measured over this much recent time
 SAMPLE_EVERY_S = 1.0
@@ -65,8 +66,9 @@ class JobView:
         if self.samples and now - self.samples[-1][0] < SAMPLE_EVERY_S:
             return
         job_step = max(s for s, _ in self.steps.values())
-        if self.samples and job_step > self.samples[-1][1]:
-            self.steps_done += job_step - self.samples[-1][1]
+        if self.samples and job_step > self.samples[-1][1]:  # saturates: a member that sends int64's top and
+            # then 0, again and again, must not make the view leave int64 (msgpack, JSON readers)
+            self.steps_done = min(INT64_MAX, self.steps_done + job_step - self.samples[-1][1])
         self.samples.append((now, job_step))
         while now - self.samples[0][0] > RATE_WINDOW_S:
             self.samples.popleft()

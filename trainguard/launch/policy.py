@@ -24,6 +24,8 @@ from ..config import (
     JOB_SECRET_FILE_ENV,
     LOCAL_RANK_ENV,
     MAX_RETRIES_ENV,
+    MAX_SLOTS,
+    MAX_WORKER_NUM,
     METRICS_PORT_ENV,
     NODE_ID_ENV,
     RECOVER_STRATEGY_ENV,
@@ -254,10 +256,14 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         if self.slots and self.slots < self.nproc_per_node:
             raise ConfigError(f"--slots must be >= the workers on this host ({self.nproc_per_node}), got {self.slots}")
-        if self.nproc_per_node < 1:
-            raise ConfigError(f"--workers/--nproc-per-node must be >= 1, got {self.nproc_per_node}")
-        if self.nnodes < 1:
-            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 1 <= self.nproc_per_node <= MAX_SLOTS:
+            raise ConfigError(f"--workers/--nproc-per-node must be in 1..{MAX_SLOTS}, got {self.nproc_per_node}")
+        if self.slots > MAX_SLOTS or self.hot_spares > MAX_SLOTS:
+            raise ConfigError(f"--slots and --hot-spares must be at most {MAX_SLOTS} (processes on one host), got "
+                              f"{self.slots} and {self.hot_spares}")
+        if not 1 <= self.nnodes <= MAX_WORKER_NUM // self.nproc_per_node:
+            raise ConfigError(f"--nnodes must be in 1..{MAX_WORKER_NUM // self.nproc_per_node} (at most "
+                              f"{MAX_WORKER_NUM} workers in a job), got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
         if self.max_restarts < 0:
