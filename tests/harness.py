@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,17 +49,41 @@ def launch(out: Path, workers: int, *, faults: str = "", level: str = "low", epo
     return proc
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory every pytest-xdist worker of this session sees (the session's own base without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive lock between the processes of this test session (xdist workers)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def baselines(tmp_path_factory):
-    """Uninterrupted runs' final states, run once per (workers, level, epochs) and cached: the reference a
-    test with faults must equal bit for bit."""
+    """Uninterrupted runs' final states, run once per (workers, level, epochs) in the whole session (the first
+    xdist worker to ask runs it, the others wait for it) and cached: the reference a test with faults must
+    equal bit for bit."""
     cache: dict[tuple, list[dict]] = {}
+    shared = shared_dir(tmp_path_factory)
 
     def get(workers: int, level: str = "low", epochs: int = 2) -> list[dict]:
         key = (workers, level, epochs)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"baseline-{workers}-{level}-{epochs}")
-            proc = launch(out, workers, level=level, epochs=epochs, max_restarts=0, spares=0)
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            out = shared / f"baseline-{workers}-{level}-{epochs}"
+            with locked(shared / f"{out.name}.lock"):
+                if not (out / "complete").exists():
+                    shutil.rmtree(out, ignore_errors=True)
+                    out.mkdir()
+                    proc = launch(out, workers, level=level, epochs=epochs, max_restarts=0, spares=0)
+                    assert proc.returncode == 0, proc.stderr[-3000:]
+                    (out / "complete").write_text("")
             cache[key] = finals(out, workers)
         return cache[key]
 

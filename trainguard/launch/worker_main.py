@@ -44,7 +44,7 @@ import threading
 import traceback
 from typing import NoReturn
 
-from .. import rewinding
+from .. import rewinding, signals
 from ..errors import ConfigError, Rewind
 from ..exitcodes import EXIT_CONFIG_ERROR
 
@@ -130,7 +130,9 @@ def signature(exc: BaseException) -> str:
 
 
 def run_and_exit(script: str) -> NoReturn:
-    """`run_script`, then the end of the process (see the module docstring)."""
+    """`run_script`, then the end of the process (see the module docstring). A stop signal never kills the
+    worker with its default action (signals.py): the launcher would take that for a crash."""
+    signals.hold_for_process()
     try:
         run_script(script)
         code = 0

@@ -35,14 +35,13 @@ from typing import NoReturn
 from .. import signals
 from ..errors import JobStopped
 from ..exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
-from ..signals import signal_name
+from ..signals import ECHO_WINDOW_S, signal_name
 from .dump import DumpResult, dump_targets, write_dying_gasp
 
 log = logging.getLogger("trainguard.graceful")
 
 MARGIN_FRACTION, MARGIN_MAX_S = 0.2, 1.0  # of the grace period, kept for leaving after the save
 GOODBYE_PATIENCE_S = 2.0
-ECHO_WINDOW_S = 1.0  # a second signal this soon after the first is the same stop arriving twice  # how long a leaving worker waits for the scheduler
 
 
 class StopRequest:
@@ -56,12 +55,17 @@ class StopRequest:
     @contextlib.contextmanager
     def armed(self):
         self._previous = signals.install(self._on_signal)
+        held = signals.take_held()  # a signal that came while the script started: stop at the first commit
+        if held is not None and not self.signum:
+            self.signum, self.at = held
         try:
             yield self
         finally:
             self._disarm()
 
     def _disarm(self) -> None:
+        if self._previous and self.signum:  # not acted on (acting ends the process): held again for the next loop
+            signals.hold(self.signum, self.at)
         signals.restore(self._previous)
         self._previous = {}
 
@@ -69,6 +73,7 @@ class StopRequest:
         if self.signum and time.monotonic() - self.at < ECHO_WINDOW_S:
             return  # the same stop twice: Slurm signals every process of a step, and the agent forwards it too
         if self.signum:  # a second signal: no more patience
+            self.signum = 0
             self._disarm()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
