@@ -19,7 +19,10 @@ import trainguard as tg
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "jobs" / "dp_job.py"
-FAST = {"TG_HEARTBEAT_INTERVAL": "0.2", "TG_HEARTBEAT_TIMEOUT": "2", "OMP_NUM_THREADS": "1",
+# the product's default heartbeat timeout (5 s): with 2 s, a worker whose heartbeat thread waited over 2 s for
+# the GIL (torch's C code holds it in places) on a 2-core machine busy with other work was declared hung and
+# killed, in a run without a fault (issue "A test suite that holds under load")
+FAST = {"TG_HEARTBEAT_INTERVAL": "0.2", "TG_HEARTBEAT_TIMEOUT": "5", "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1", "TG_FAULT": ""}
 
 
@@ -124,6 +127,12 @@ def deaths(ev: list[dict]) -> list[tuple[str, str]]:
     the survivor that saw a collective fail (it stays alive, only the generation ends), and whether a survivor's
     report or the agent's word on the dead one reaches the scheduler first is a race over the network."""
     return [(e["node"], e["kind"]) for e in ev if e["event"] == "failure_detected" and e.get("kind") != "collective"]
+
+
+def wait_step(out: Path, step: int, timeout: float = 90) -> None:
+    """Until rank 0 has said (its progress events, every 0.5 s) that the job committed `step` steps."""
+    wait_for(lambda: any(e["event"] == "progress" and e["step"] >= step for e in events(out)), timeout,
+             f"step {step}")
 
 
 def wait_for(predicate, timeout: float, what: str, period: float = 0.05):

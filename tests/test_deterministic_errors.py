@@ -39,7 +39,7 @@ WORKER_MAIN = [sys.executable, "-u", "-m", "trainguard.launch.worker_main"]
 
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TG_HEARTBEAT_INTERVAL": "0.2",
-            "TG_HEARTBEAT_TIMEOUT": "2", "TG_FAULT": "", **extra}
+            "TG_HEARTBEAT_TIMEOUT": "5", "TG_FAULT": "", **extra}
 
 
 def _script(tmp_path: Path, body: str, name: str = "train.py") -> Path:

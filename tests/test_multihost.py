@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from harness import assert_identical, deaths, env, events, finals, job_args, wait_for
+from harness import assert_identical, deaths, env, events, finals, job_args, wait_for, wait_step
 from netns import Hosts
 
 WHY = Hosts.unavailable()
@@ -70,14 +70,15 @@ def check(out, expected) -> None:
 
 
 def test_partitioned_host_is_fenced_and_its_stale_worker_never_counts(tmp_path, hosts, baseline):
-    """C is cut off for longer than the heartbeat timeout (2 s here): its worker is fenced and A and B
+    """C is cut off for longer than the heartbeat timeout (5 s here): its worker is fenced and A and B
     regroup. When the link comes back, C's stale incarnation is refused, the worker registers anew, takes
     the state of the generation A and B agreed on, and the job ends as if nothing had happened."""
     procs = start(hosts, tmp_path, job_extra=("--step-sleep", "0.15"))
     wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 90, "training to start")
-    time.sleep(0.6)  # a few steps in
+    wait_step(tmp_path, 3)  # a few steps in
     hosts.partition("c")
-    time.sleep(4.0)
+    wait_for(lambda: any(e["event"] == "failure_detected" and e["node"] == "2" for e in events(tmp_path)), 60,
+             "C's worker to be declared dead")  # cut off for longer than the heartbeat timeout
     hosts.heal("c")
     finish(procs, tmp_path)
     check(tmp_path, baseline)

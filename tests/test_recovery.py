@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
-from harness import HandJob, assert_identical, events, finals, launch, wait_for
+from harness import HandJob, assert_identical, events, finals, launch, wait_for, wait_step
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -59,11 +58,11 @@ def test_scheduler_killed_and_restarted_no_rollback(tmp_path, baseline):
 
 
 def test_scheduler_down_then_worker_dies(tmp_path, baseline):
-    job = HandJob(tmp_path, 2, free_port(), extra=("--step-sleep", "0.05"))
+    job = HandJob(tmp_path, 2, free_port(), extra=("--step-sleep", "0.2"))  # 6.4 s of steps: killed well before the end
     try:
         job.start_all()
         wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 60, "training to start")
-        time.sleep(0.8)  # some steps at 50 ms each
+        wait_step(tmp_path, 5)  # some steps in
         job.kill("sched")
         job.kill("1")
         job.start("sched")

@@ -251,9 +251,10 @@ def test_the_monitor_kills_only_a_process_that_holds_a_connection_to_it(tmp_path
     _, thread, address = in_thread(tmp_path, heartbeat_interval=0.1, heartbeat_timeout=1.0)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     hung = subprocess.Popen([sys.executable, "-c", "import socket, sys, time; s = socket.create_connection(("
-                             f"'127.0.0.1', {address[1]})); time.sleep(60)"])
+                             f"'127.0.0.1', {address[1]})); print('connected', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)  # the hung one has connected
+        assert hung.stdout.readline() == "connected\n"  # the hung one holds its connection
         liar, member = client(address), client(address)
         liar.register(node_id="0", host=this_host(), pid=bystander.pid, worker_num=2)
         member.register(node_id="1", host=this_host(), pid=hung.pid, worker_num=2)

@@ -162,15 +162,19 @@ class SchedulerClient:
     def register(self, *, node_id: str | None, host: str, pid: int, worker_num: int,
                  duplicate_wait: float | None = None) -> p.Registered:
         """Refusals that may clear (a predecessor not yet known dead, a quarantine) are retried until the
-        connect timeout; a node id whose incarnation stays alive only for `duplicate_wait` seconds."""
+        connect timeout; a node id whose incarnation stays alive only for `duplicate_wait` seconds from the
+        first such refusal (not from the first try: the time a restarting scheduler takes to answer at all
+        does not count against it, since its clock for the predecessor starts when it is up)."""
         start = time.monotonic()
         deadline = start + self.connect_timeout
         delay = 0.1
+        first_duplicate = None
         while True:
             reply = self._call(p.Register(node_id=node_id, host=host, pid=pid, worker_num=worker_num))
             limit = deadline
             if isinstance(reply, p.Error) and reply.code is p.ErrorCode.DUPLICATE and duplicate_wait is not None:
-                limit = min(deadline, start + duplicate_wait)
+                first_duplicate = first_duplicate or time.monotonic()
+                limit = min(deadline, first_duplicate + duplicate_wait)
             if isinstance(reply, p.Error) and reply.retry and time.monotonic() + delay < limit:
                 log.warning("registration refused for now, retrying: %s", reply.message)
                 time.sleep(delay)
