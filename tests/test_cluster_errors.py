@@ -121,7 +121,7 @@ def test_duplicate_live_node_id_is_rejected_and_the_job_finishes(tmp_path):
     dup = preloaded(job.args, {**job._env("worker", "0"), "TG_HEARTBEAT_TIMEOUT": "1"}, gate)
     try:
         start_job(job)
-        wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 60, "training to start")
+        wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 100, "training to start")
         gate.touch()
         out, err = dup.communicate(timeout=30)
         assert dup.returncode != 0, out + err[-3000:]
@@ -153,7 +153,7 @@ def test_scheduler_restart_with_another_worker_num_is_refused_and_changes_nothin
     wrong = preloaded(job.args, {**job._env("scheduler", None), "TG_WORKER_NUM": "3"}, gate)
     try:
         start_job(job)
-        wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 60, "training to start")
+        wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 100, "training to start")
         job.kill("sched")  # SIGKILL: cluster.db still says the job is running
         before = db_rows(recovery, tmp_path / "before")
         assert ("job", "running") in before[0] and ("worker_num", "2") in before[0]

@@ -61,7 +61,7 @@ def test_scheduler_down_then_worker_dies(tmp_path, baseline):
     job = HandJob(tmp_path, 2, free_port(), extra=("--step-sleep", "0.2"))  # 6.4 s of steps: killed well before the end
     try:
         job.start_all()
-        wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 60, "training to start")
+        wait_for(lambda: any(e["event"] == "restore_step" for e in events(tmp_path)), 180, "training to start")
         wait_step(tmp_path, 5)  # some steps in
         job.kill("sched")
         job.kill("1")

@@ -70,7 +70,9 @@ def assert_bit_identical(got: dict, want: dict) -> None:
 def assert_recovered_in_time(log: str, rounds: int) -> None:
     took = [float(t) for t in RESTORED.findall(log)]
     assert len(took) == rounds, log[-4000:]
-    assert max(took) < 15, f"a recovery took {max(took)} s: someone waited for a collective timeout (300 s)"
+    # loose, against hangs only (16-17 s were seen with three test files at a time on 2 cores): the collective
+    # timeout a waiting rank would sit out is 300 s
+    assert max(took) < 120, f"a recovery took {max(took)} s: someone waited for a collective timeout (300 s)"
 
 
 CASES = {
