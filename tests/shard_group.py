@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "jobs" / "sharded_job.py"
 
 
-def run_group(scenario: str, world: int, out: Path, timeout: float = 55) -> subprocess.CompletedProcess:
+def run_group(scenario: str, world: int, out: Path, timeout: float = 150) -> subprocess.CompletedProcess:
     """Run `scenario` on `world` gloo ranks writing under `out`; fail the test with the ranks' output."""
     out.mkdir(parents=True, exist_ok=True)
     store = out / f".store-{scenario}"

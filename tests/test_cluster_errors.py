@@ -217,6 +217,7 @@ def test_corrupt_cluster_db_is_refused_and_left_as_it_is(tmp_path, damage):
 # --- 4. an unwritable recovery path ----------------------------------------------------------
 
 
+@pytest.mark.timeout(240)
 def test_unwritable_recovery_path_is_reported_at_start_by_every_entry_point(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -238,11 +239,10 @@ def test_unwritable_recovery_path_is_reported_at_start_by_every_entry_point(tmp_
 
     # a worker started by hand: told before it waits for any scheduler (none is running here)
     worker = env(TG_ROLE="worker", TG_SCHED_HOST="127.0.0.1", TG_SCHED_PORT=str(free_port()), TG_WORKER_NUM="2",
-                 TG_NODE_ID="0", TG_ENABLE_RECOVERY="1", TG_RECOVERY_PATH=str(bad), TG_CONNECT_TIMEOUT="30")
-    t0 = time.monotonic()
+                 TG_NODE_ID="0", TG_ENABLE_RECOVERY="1", TG_RECOVERY_PATH=str(bad), TG_CONNECT_TIMEOUT="600")
+    # a worker that waited for the scheduler would outlive this (connect timeout 600 s), however busy the machine
     proc = subprocess.run([sys.executable, "-u", str(JOB), "--out", str(tmp_path / "final")], env=worker,
-                          capture_output=True, text=True, timeout=60)
-    assert time.monotonic() - t0 < 25, "the worker waited for the scheduler instead of failing at start"
+                          capture_output=True, text=True, timeout=100)
     assert proc.returncode != 0
     assert "ConfigError" in proc.stderr and "TG_RECOVERY_PATH" in proc.stderr and str(bad) in proc.stderr, proc.stderr
     assert not blocker.is_dir() and blocker.read_text() == "not a directory"

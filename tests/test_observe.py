@@ -66,7 +66,7 @@ def test_status_metrics_report_and_plot_of_a_job_with_one_kill(tmp_path):
     job = subprocess.Popen(
         [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--recovery-path", str(rec),
          "--metrics-port", str(port), str(JOB), "--out", str(tmp_path / "final"), "--level", "high",
-         "--epochs", "12", "--step-sleep", "0.03", "--progress", "on", "--ckpt", str(tmp_path / "ckpt"),
+         "--epochs", "12", "--step-sleep", "0.1", "--progress", "on", "--ckpt", str(tmp_path / "ckpt"),
          "--save-steps", "40"], env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def status() -> dict | None:

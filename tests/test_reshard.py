@@ -23,7 +23,7 @@ from trainguard.checkpoint.layout import (
 )
 from trainguard.errors import CheckpointError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # the module fixture (a 4-process job) counts in the first test
 
 
 @pytest.fixture(scope="module")

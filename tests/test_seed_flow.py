@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 RUN_SH = REPO / "examples" / "run.sh"
 RECOVER_SH = REPO / "examples" / "recover.sh"
 PR_SET_CHILD_SUBREAPER = 36
-BUDGET_S = 55.0  # the whole scenario, start to last exit
+BUDGET_S = 150.0  # against hangs only: the whole scenario, start to last exit (over 55 s on a busy machine)
 # 3 epochs of ~90 steps per rank (batch 8): about 4 s of training, long enough to kill mid-run
 ARGS = "--epochs 3 --batch-size 8"
 CLUSTER_VARS = ("TG_", "MS_", "OMPI_", "PMI", "TORCHELASTIC_", "SLURM_")
@@ -158,7 +158,7 @@ def assert_all_finished(job: Job, *killed: str) -> None:
         assert f"rank {rank}: test accuracy" in job.log(f"worker_{rank}"), job.logs()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(200)
 def test_worker_then_scheduler_killed_and_each_recovered_by_script(job: Job) -> None:
     """One job, two faults: worker 1 is killed in epoch 1 and brought back by recover.sh; in epoch 2 the
     scheduler is killed and brought back by recover.sh. Every process ends with 0."""
