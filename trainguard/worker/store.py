@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..control import protocol as p
 from ..control.client import SchedulerClient
+from ..control.msgbase import MAX_WAIT_S
 
 
 def _b(value) -> bytes:
@@ -24,7 +25,7 @@ class SchedulerStore(dist.Store):
         super().__init__()
         self._client = client
         self._generation = generation
-        self._timeout = timeout.total_seconds()
+        self._timeout = min(timeout.total_seconds(), MAX_WAIT_S)  # a longer wait is refused by the scheduler
 
     def _op(self, op: str, keys: list[str], **kw) -> p.StoreReply:
         msg = p.StoreOp(generation=self._generation, op=op, keys=keys, timeout=self._timeout, **kw)
@@ -57,7 +58,7 @@ class SchedulerStore(dist.Store):
         return self._op("num_keys", []).number
 
     def set_timeout(self, timeout):
-        self._timeout = timeout.total_seconds()
+        self._timeout = min(timeout.total_seconds(), MAX_WAIT_S)  # a longer wait is refused by the scheduler
 
 
 def generation_prefix(generation: int) -> str:
