@@ -17,7 +17,6 @@ from trainguard.control import formation as fm
 from trainguard.control import membership as m
 from trainguard.control.elastic import ElasticScheduling
 from trainguard.control.protocol import FailureKind
-from trainguard.control.restore_plan import choose_restore
 from trainguard.errors import ConfigError
 from trainguard.launch.policy import LaunchSpec, worker_env
 from trainguard.strategies import parse_strategy, require_implemented
@@ -102,14 +101,6 @@ def test_worker_phase_progress_round_trip():
 
 
 # --- restore decisions ---------------------------------------------------------------------------
-
-
-def test_restore_decision_names_each_ranks_node():
-    reports = {0: {"step": 5, "node": "0"}, 1: {"step": None, "node": "1"}}
-    d = choose_restore(reports)
-    assert d["step"] == 5 and d["sources"]["1"] == {"kind": "peer", "peer": 0}
-    assert d["nodes"] == {"0": "0", "1": "1"}
-    assert "nodes" not in choose_restore({0: {"step": 1}})
 
 
 # --- membership decisions ---------------------------------------------------------------------

@@ -10,6 +10,15 @@ import pytest
 
 from trainguard.config import MAX_FRAME_BYTES
 from trainguard.control import protocol as p
+from trainguard.control.outcomes import (
+    CopyKind,
+    ErrorDecision,
+    FinishDecision,
+    RestoreDecision,
+    Source,
+    SourceKind,
+)
+from trainguard.control.reports import RestoreReport, ShardedRestoreReport
 from trainguard.errors import ProtocolError
 
 REQUESTS = [
@@ -35,7 +44,11 @@ REPLIES = [
     p.Formed(generation=2, rank=1, world_size=2, local_rank=1, members=[
         p.Member(node_id="0", rank=0, host="h", pid=1, incarnation=1),
         p.Member(node_id="1", rank=1, host="h", pid=2, incarnation=3)]),
-    p.Agreed(decision={"step": 12, "sources": {"0": "memory"}}),
+    p.Agreed(decision=RestoreDecision(step=12, from_step=13, sources=[
+        Source(kind=SourceKind.MEMORY), Source(kind=SourceKind.PEER, peer=0, origin=CopyKind.LIVE)])),
+    p.Agreed(decision=RestoreDecision(step=None, error="no step can be restored on every rank")),
+    p.Agreed(decision=ErrorDecision(same=True, signatures=["ValueError: x"])),
+    p.Agreed(decision=FinishDecision(ok=False, steps=[-1, 7])),
     p.StoreReply(value=b"v", number=3, flag=True),
     p.StatusReply(state={"generation": 1, "nodes": []}),
     p.Ok(),
@@ -69,6 +82,28 @@ def test_every_request_round_trips(msg):
 def test_every_reply_round_trips(msg):
     back = p.decode_reply(split(p.encode(msg))[1])
     assert type(back) is type(msg) and back == msg
+
+
+def test_a_decision_and_a_report_come_back_as_their_own_types_and_a_sources_kind_as_an_enum():
+    back = p.decode_reply(split(p.encode(REPLIES[3]))[1]).decision
+    assert type(back) is RestoreDecision and back.source(1).kind is SourceKind.PEER and back.source(1).peer == 0
+    assert back.source(1).origin is CopyKind.LIVE and back.lost_steps == 1 and back.served_by(0) == [1]
+    sharded = p.decode_request(split(p.encode(REQUESTS[6]))[1]).payload  # a restore report with a shard
+    assert type(sharded) is ShardedRestoreReport and sharded.shard == 1 and sharded.memory == {"0": [10, 9]}
+    plain = p.Agree(node_id="1", incarnation=1, generation=1, purpose="restore", payload={"step": 3, "disk": []},
+                    timeout=1.0)
+    assert type(p.decode_request(split(p.encode(plain))[1]).payload) is RestoreReport
+
+
+@pytest.mark.parametrize("decision, where", [
+    ({"purpose": "restore", "step": 1, "sources": [{"kind": "elsewhere"}]}, "decision.restore.sources.0.kind"),
+    ({"purpose": "finish", "ok": True, "steps": [1], "extra": 1}, "decision.finish.extra"),
+    ({"purpose": "vote", "ok": True}, "decision"),
+    ({"step": 1, "sources": []}, "decision"),
+])
+def test_a_decision_of_an_unknown_shape_is_refused_naming_the_field(decision, where):
+    with pytest.raises(ProtocolError, match=f"invalid message \\(agreed.{where}"):
+        p.decode_reply(msgpack.packb({"type": "agreed", "decision": decision}))
 
 
 def test_requests_and_replies_are_separate_vocabularies():

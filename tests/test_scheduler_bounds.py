@@ -21,6 +21,7 @@ from trainguard.control import auth
 from trainguard.control import protocol as p
 from trainguard.control.client import SchedulerClient, query_status
 from trainguard.control.msgbase import INT64_MAX, MAX_INCARNATION
+from trainguard.control.outcomes import FinishDecision, RestoreDecision, Source, SourceKind
 from trainguard.control.sched_main import start_in_thread
 from trainguard.testing.fuzz import fuzz_scheduler
 
@@ -97,7 +98,11 @@ def test_the_fuzzers_extremes_are_refused_with_the_field_named_and_status_keeps_
     # in range for any job, outside this one's: node ranks and shards of a job of 2 are 0 and 1
     for field, req in {"agent_sync.agent": {"type": "agent_sync", "agent": 2, "host": "h", "slots": 4},
                        "agree.payload.shard": {"type": "agree", **ident(m0), "generation": 1, "purpose": "restore",
-                                               "timeout": 1.0, "payload": {"step": 3, "disk": [], "shard": 7}}}.items():
+                                               "timeout": 1.0, "payload": {"step": 3, "disk": [], "shard": 7}},
+                       "agree.payload.memory": {"type": "agree", **ident(m0), "generation": 1, "purpose": "restore",
+                                                "timeout": 1.0,
+                                                "payload": {"step": 3, "disk": [], "shard": 1, "memory": {"9": [2]}}},
+                       }.items():
         [reply] = send(address, req)
         assert isinstance(reply, p.Error) and f"({field}" in reply.message and "outside 0..1" in reply.message
     # a join after a generation that never formed was a busy loop that froze the scheduler (found by the fuzzer)
@@ -130,8 +135,11 @@ def test_the_edge_of_every_range_is_accepted_and_all_the_scheduler_reports_seria
                                 ("error", {"signature": "\x00" * 1024, "step": INT64_MIN}),
                                 ("finish", {"step": INT64_MAX})]:
             decisions = list(pool.map(lambda c: c.agree(1, purpose, report, timeout=5.0), (m0, m1)))
-            assert decisions[0] == decisions[1]
-    assert decisions[0] == {"ok": True, "steps": [INT64_MAX]}
+            assert decisions[0] == decisions[1] and decisions[0].purpose == purpose
+            if purpose == "restore":  # both live at int64's top: both keep their state
+                assert decisions[0] == RestoreDecision(step=INT64_MAX, from_step=INT64_MAX,
+                                                       sources=[Source(kind=SourceKind.SELF)] * 2)
+    assert decisions[0] == FinishDecision(ok=True, steps=[INT64_MAX])
     beats = send(address,  # the connection a heartbeat came on closes: both members fail (as a member would)
                  {"type": "heartbeat", **a, "generation": INT64_MAX, "step": INT64_MAX},
                  {"type": "heartbeat", **a, "generation": 0, "step": 0},

@@ -25,6 +25,7 @@ from trainguard.control import auth
 from trainguard.control import protocol as p
 from trainguard.control.client import Heartbeater, SchedulerClient, query_status
 from trainguard.control.membership import JobState, NodeState
+from trainguard.control.outcomes import FinishDecision
 from trainguard.control.sched_main import start_in_thread
 from trainguard.errors import ConfigError, ProtocolError, RegistrationRejected
 
@@ -110,7 +111,7 @@ def run_job(address, ids=("0", "1")) -> list[p.Formed]:
     assert {f.generation for f in formed} == {1}
     assert sorted(f.rank for f in formed) == list(range(N)) and {f.world_size for f in formed} == {N}
     assert [mb.node_id for mb in formed[0].members] == sorted(ids)
-    assert agree_finish(clients, 1) == [{"ok": True, "steps": [9]}] * N
+    assert agree_finish(clients, 1) == [FinishDecision(ok=True, steps=[9])] * N
     for c in clients:
         c.finish(ok=True)
         c.close()
@@ -218,7 +219,7 @@ def test_a_client_that_sent_garbage_is_not_a_member(tmp_path):
     state = query_status(address)
     assert state["generation"] == 1 and state["formed"]
     assert {n["state"] for n in state["nodes"]} == {"alive"}
-    assert agree_finish(clients, 1)[0]["ok"]
+    assert agree_finish(clients, 1)[0].ok
     for c in clients:
         c.finish(ok=True)
     thread.join(WAIT_S)
@@ -400,7 +401,7 @@ def test_client_drops_a_connection_whose_reply_was_not_a_valid_frame():
 
         threading.Thread(target=serve, daemon=True).start()
         c = client(address)
-        with pytest.raises(ProtocolError, match="protocol version 2 is not supported"):
+        with pytest.raises(ProtocolError, match=f"protocol version {p.PROTOCOL_VERSION + 1} is not supported"):
             c.status()
         with pytest.raises(ProtocolError, match="bad frame magic"):
             c.status()

@@ -6,7 +6,8 @@ import pytest
 
 from trainguard import ConfigError, MeshSpec
 from trainguard.control.decisions import decide_agreement
-from trainguard.control.reports import RestoreReport
+from trainguard.control.outcomes import CopyKind, Source, SourceKind
+from trainguard.control.reports import RestoreReport, ShardedRestoreReport
 from trainguard.control.shard_plan import choose_sharded_restore
 
 DPxTP = MeshSpec((2, 2), ("dp", "tp"), replicate=("dp",))  # shards 0 1 0 1
@@ -14,7 +15,18 @@ FSDP4 = MeshSpec((4,), ("fsdp",))
 
 
 def rep(spec: MeshSpec, r: int, step, memory=None, disk=()):
-    return {"step": step, "shard": spec.shard_of(r), "memory": memory or {}, "disk": list(disk), "node": str(r)}
+    return ShardedRestoreReport(step=step, shard=spec.shard_of(r), memory=memory or {}, disk=list(disk), node=str(r))
+
+
+SELF, MEMORY = Source(kind=SourceKind.SELF), Source(kind=SourceKind.MEMORY)
+
+
+def peer(q: int, origin: str) -> Source:
+    return Source(kind=SourceKind.PEER, peer=q, origin=CopyKind(origin))
+
+
+def kinds(d):
+    return {s.kind.value for s in d.sources}
 
 
 def test_mesh_spec_shards_replicas_and_buddies():
@@ -49,10 +61,16 @@ def test_world_size_mismatch_names_the_fix():
 
 def test_a_dead_rank_takes_its_live_replica_and_survivors_keep_theirs():
     reports = {0: rep(DPxTP, 0, 7), 1: rep(DPxTP, 1, None), 2: rep(DPxTP, 2, 7), 3: rep(DPxTP, 3, 7)}
-    d = decide_agreement("restore", {r: RestoreReport(**x) for r, x in reports.items()})  # sharded: routed here
-    assert d["step"] == 7 and d["from_step"] == 7
-    assert d["sources"] == {"0": {"kind": "self"}, "1": {"kind": "peer", "peer": 3, "from": "live"},
-                            "2": {"kind": "self"}, "3": {"kind": "self"}}
+    d = decide_agreement("restore", reports)  # sharded reports: routed here by their type
+    assert d.step == 7 and d.from_step == 7
+    assert d.sources == [SELF, peer(3, "live"), SELF, SELF]
+
+
+def test_a_job_whose_ranks_report_different_layouts_fails_naming_them_and_never_starts_over():
+    reports = {0: rep(DPxTP, 0, 7), 1: RestoreReport(step=7, disk=[]), 2: rep(DPxTP, 2, 7), 3: rep(DPxTP, 3, 7)}
+    d = decide_agreement("restore", reports, known_step=7)
+    assert d.step is None and d.sources == [] and d.from_step == 7
+    assert "ranks [0, 2, 3] report a sharded state" in d.error and "same script" in d.error
 
 
 def test_no_live_holder_of_a_shard_rolls_everyone_back_to_the_newest_common_copy():
@@ -60,9 +78,9 @@ def test_no_live_holder_of_a_shard_rolls_everyone_back_to_the_newest_common_copy
     mem = {r: {str(r): [4, 6], str((r - 1) % 4): [4, 6]} for r in (0, 1, 3)}
     reports = {r: rep(FSDP4, r, 7, mem[r]) for r in (0, 1, 3)} | {2: rep(FSDP4, 2, None)}
     d = choose_sharded_restore(reports)
-    assert d["step"] == 6 and d["from_step"] == 7
-    assert d["sources"]["2"] == {"kind": "peer", "peer": 3, "from": "memory"}
-    assert all(d["sources"][str(r)] == {"kind": "memory"} for r in (0, 1, 3))
+    assert d.step == 6 and d.from_step == 7
+    assert d.source(2) == peer(3, "memory")
+    assert all(d.source(r) == MEMORY for r in (0, 1, 3))
 
 
 def test_a_death_mid_exchange_falls_back_to_the_previous_round():
@@ -70,8 +88,8 @@ def test_a_death_mid_exchange_falls_back_to_the_previous_round():
     mem = {0: {"0": [4, 6], "3": [4, 6]}, 1: {"1": [4, 6], "0": [4, 6]}, 3: {"3": [4, 6], "2": [4]}}
     reports = {r: rep(FSDP4, r, 7, mem[r]) for r in (0, 1, 3)} | {2: rep(FSDP4, 2, None)}
     d = choose_sharded_restore(reports)
-    assert d["step"] == 4
-    assert d["sources"]["2"] == {"kind": "peer", "peer": 3, "from": "memory"}
+    assert d.step == 4
+    assert d.source(2) == peer(3, "memory")
 
 
 def test_a_half_finished_last_collective_rolls_the_newer_shard_back_too():
@@ -79,29 +97,29 @@ def test_a_half_finished_last_collective_rolls_the_newer_shard_back_too():
     reports = {0: rep(DPxTP, 0, 8, {"0": [6], "1": [6]}), 1: rep(DPxTP, 1, 7, {"1": [6], "0": [6]}),
                2: rep(DPxTP, 2, None), 3: rep(DPxTP, 3, None)}
     d = choose_sharded_restore(reports)
-    assert d["step"] == 6  # no shard-0 holder at 7 and no shard-1 holder at 8: the newest copy of both
-    assert d["sources"]["0"] == {"kind": "memory"} and d["sources"]["1"] == {"kind": "memory"}
-    assert {d["sources"]["2"]["peer"], d["sources"]["3"]["peer"]} <= {0, 1}
+    assert d.step == 6  # no shard-0 holder at 7 and no shard-1 holder at 8: the newest copy of both
+    assert d.source(0) == MEMORY and d.source(1) == MEMORY
+    assert {d.source(2).peer, d.source(3).peer} <= {0, 1}
 
 
 def test_live_beats_copies_and_holders_share_the_sending():
     spec = MeshSpec((4, 1), ("dp", "tp"), replicate=("dp",))  # pure DP: one shard, four holders
     reports = {0: rep(spec, 0, 5), 1: rep(spec, 1, None), 2: rep(spec, 2, None), 3: rep(spec, 3, 5)}
     d = choose_sharded_restore(reports)
-    assert d["sources"]["1"]["peer"] != d["sources"]["2"]["peer"]
+    assert d.source(1).peer != d.source(2).peer
 
 
 def test_without_copies_the_newest_common_disk_checkpoint_else_an_error_not_a_silent_restart():
     reports = {0: rep(FSDP4, 0, 9, disk=[4, 8]), 1: rep(FSDP4, 1, None, disk=[4, 8]),
                2: rep(FSDP4, 2, 9, disk=[4, 8]), 3: rep(FSDP4, 3, 9, disk=[4])}
     d = choose_sharded_restore(reports)
-    assert d["step"] == 4 and d["from_step"] == 9 and set(s["kind"] for s in d["sources"].values()) == {"disk"}
-    no_disk = {r: {**v, "disk": []} for r, v in reports.items()}
+    assert d.step == 4 and d.from_step == 9 and kinds(d) == {"disk"}
+    no_disk = {r: v.model_copy(update={"disk": []}) for r, v in reports.items()}
     err = choose_sharded_restore(no_disk)
-    assert err["step"] is None and "no step can be restored on every shard" in err["error"]
-    assert "checkpoint directory" in err["error"]
+    assert err.step is None and "no step can be restored on every shard" in err.error
+    assert "checkpoint directory" in err.error
 
 
 def test_a_fresh_job_starts_fresh():
     d = choose_sharded_restore({r: rep(FSDP4, r, None) for r in range(4)})
-    assert d["fresh"] and d["step"] == 0 and {s["kind"] for s in d["sources"].values()} == {"init"}
+    assert d.fresh and d.step == 0 and kinds(d) == {"init"}

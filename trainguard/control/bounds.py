@@ -5,7 +5,7 @@ the job's worker count; the scheduler answers what it returns as a BAD_MESSAGE e
 from __future__ import annotations
 
 from . import protocol as p
-from .reports import RestoreReport
+from .reports import ShardedRestoreReport
 
 
 def outside_job(req: p.Msg, worker_num: int) -> str | None:
@@ -13,14 +13,11 @@ def outside_job(req: p.Msg, worker_num: int) -> str | None:
     value), or None."""
     if isinstance(req, (p.AgentSync, p.AgentPlace)):
         return _rank(f"{req.type}.agent (a node rank)", req.agent, worker_num)
-    if isinstance(req, p.Agree) and isinstance(req.payload, RestoreReport):
+    if isinstance(req, p.Agree) and isinstance(req.payload, ShardedRestoreReport):
         report = req.payload
-        if report.shard is not None:
-            return _rank("agree.payload.shard", report.shard, worker_num)
-        for key in report.memory or {}:
-            bad = _rank("agree.payload.memory (a shard)", int(key), worker_num)
-            if bad:
-                return bad
+        found = [_rank("agree.payload.shard", report.shard, worker_num)]
+        found += [_rank("agree.payload.memory (a shard)", int(key), worker_num) for key in report.memory]
+        return next((why for why in found if why), None)
     return None
 
 

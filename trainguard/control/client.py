@@ -26,6 +26,8 @@ from ..errors import (
 )
 from . import auth, tls
 from . import protocol as p
+from .outcomes import Decided
+from .reports import Report
 
 log = logging.getLogger("trainguard.client")
 
@@ -196,7 +198,7 @@ class SchedulerClient:
                            timeout + 5.0)
         return raise_for(reply, "joining the cluster failed")
 
-    def agree(self, generation: int, purpose: str, payload: dict, timeout: float) -> dict:
+    def agree(self, generation: int, purpose: str, payload: Report, timeout: float) -> Decided:
         me = self._ident()
         msg = p.Agree(node_id=me.node_id, incarnation=me.incarnation, generation=generation, purpose=purpose,
                       payload=payload, timeout=timeout)

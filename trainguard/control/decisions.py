@@ -2,22 +2,38 @@
 
 from __future__ import annotations
 
-from .reports import ErrorReport, FinishReport, RestoreReport
+from .outcomes import (
+    Decided,
+    ErrorDecision,
+    FinishDecision,
+    RestoreDecision,
+    failed_restore,
+)
+from .reports import Report, RestoreReport, ShardedRestoreReport
 from .restore_plan import choose_restore
-from .shard_plan import choose_sharded_restore, is_sharded
+from .shard_plan import choose_sharded_restore
 
 
-def decide_agreement(purpose: str, reports: dict[int, RestoreReport | FinishReport | ErrorReport],
-                     known_step: int = 0) -> dict:
+def decide_agreement(purpose: str, reports: dict[int, Report], known_step: int = 0) -> Decided:
     """`reports`: rank -> its report, of the purpose's own model (protocol.Agree checks it).
     `known_step`: the newest step the job is known to have committed (restore_plan.py)."""
     if purpose == "restore":
-        plain = {r: rep.as_plan_input() for r, rep in reports.items()}
-        return choose_sharded_restore(plain) if is_sharded(plain) else choose_restore(plain, known_step)
-    if purpose == "error":  # every rank raised: the same error at the same step is deterministic
-        found = {(r.signature, r.step) for r in reports.values()}
-        return {"same": len(found) == 1, "signatures": sorted(s for s, _ in found)[:8]}
+        return decide_restore(reports, known_step)  # type: ignore[arg-type]
+    if purpose == "error":
+        found = {(r.signature, r.step) for r in reports.values()}  # type: ignore[union-attr]
+        return ErrorDecision(same=len(found) == 1, signatures=sorted(s for s, _ in found)[:8])
     if purpose == "finish":
         steps = {r.step for r in reports.values()}
-        return {"ok": len(steps) == 1, "steps": sorted(steps)}
+        return FinishDecision(ok=len(steps) == 1, steps=sorted(steps))
     raise AssertionError(purpose)
+
+
+def decide_restore(reports: dict[int, RestoreReport], known_step: int = 0) -> RestoreDecision:
+    sharded = [isinstance(rep, ShardedRestoreReport) for rep in reports.values()]
+    if all(sharded):
+        return choose_sharded_restore(reports)  # type: ignore[arg-type]
+    if not any(sharded):
+        return choose_restore(reports, known_step)
+    mixed = sorted(r for r, rep in reports.items() if isinstance(rep, ShardedRestoreReport))
+    return failed_restore(f"ranks {mixed} report a sharded state and the others a replicated one: every rank of a job "
+                          "must train the same layout (run every rank from the same script and version)", known_step)

@@ -53,10 +53,11 @@ from .msgbase import (  # the base of every message, the field types
     Wait,
     WorkerNum,
 )
-from .reports import ErrorReport, FinishReport, RestoreReport
+from .outcomes import Decision
+from .reports import ErrorReport, FinishReport, RestoreReport, ShardedRestoreReport
 
 MAGIC = b"TG"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: an agreement's decision is a typed model per purpose (outcomes.py)
 HEADER = struct.Struct(">2sBI")
 
 
@@ -135,7 +136,8 @@ class Agree(Msg):
     incarnation: Incarnation
     generation: Generation
     purpose: Literal["restore", "finish", "error"]
-    payload: RestoreReport | FinishReport | ErrorReport  # each has a field the others lack (reports.py)
+    # each has a field the others lack (reports.py); a sharded report is a RestoreReport with a shard
+    payload: RestoreReport | ShardedRestoreReport | FinishReport | ErrorReport
     timeout: Wait
 
     @model_validator(mode="after")
@@ -239,7 +241,7 @@ class Formed(Msg):
 
 class Agreed(Msg):
     type: Literal["agreed"] = "agreed"
-    decision: dict
+    decision: Decision  # outcomes.py: one model per purpose
 
 
 class StoreReply(Msg):

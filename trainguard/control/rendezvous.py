@@ -14,6 +14,7 @@ from . import formation as fm
 from . import membership as m
 from . import protocol as p
 from .decisions import decide_agreement
+from .outcomes import FinishDecision, RestoreDecision
 
 log = logging.getLogger("trainguard.scheduler")
 
@@ -85,13 +86,13 @@ class RendezvousRequests:
         got[fm.generation_rank(c, node.node_id)] = req.payload
         if len(got) == fm.generation_size(c) and key not in self._decisions:
             decision = decide_agreement(req.purpose, got, max(self._known_step, self.view.job_step()))
-            if isinstance(decision.get("step"), int):  # bounded: every report's step is (reports.py)
-                self._known_step = max(self._known_step, decision["step"])
+            if isinstance(decision, RestoreDecision) and decision.step is not None:
+                self._known_step = max(self._known_step, decision.step)
             self._decisions[key] = decision
-            if self.elastic and req.purpose == "finish" and decision.get("ok"):
+            if self.elastic and isinstance(decision, FinishDecision) and decision.ok:
                 self.elastic.finishing(c)
-            self.events.emit(f"agreed_{req.purpose}", generation=req.generation, **{
-                k: v for k, v in decision.items() if k in ("step", "from_step", "error", "sources")})
+            said = decision.for_event() if isinstance(decision, RestoreDecision) else {}
+            self.events.emit(f"agreed_{req.purpose}", generation=req.generation, **said)
             self._notify()
         ok = await self._wait(lambda: key in self._decisions or c.generation != req.generation
                               or self._job_over() is not None, time.monotonic() + req.timeout)

@@ -1,7 +1,7 @@
 """What each rank reports to an agreement (protocol.Agree), one model per purpose.
 
-Each model has a required field the others lack (`disk`, `signature`; a finish report has `step` alone and no
-field more), so the payload's model follows from its fields, and Agree checks it is the purpose's own.
+Each model has a required field the others lack (`disk`, `shard`, `signature`; a finish report has `step` alone
+and no field more), so the payload's model follows from its fields, and Agree checks it is the purpose's own.
 Every number is bounded: these reports reach the scheduler's decisions, its events and `trainguard status`.
 """
 
@@ -20,19 +20,20 @@ Steps = Annotated[list[Step], Field(max_length=MAX_DISK_STEPS)]
 
 
 class RestoreReport(Msg):
-    """What a rank can restore from: its live state's step (None: a fresh process) and its disk checkpoints;
-    in a sharded job also which shard it holds and the in-memory copies it keeps (shard_plan.py)."""
+    """What a rank of a data-parallel job can restore from: its live state's step (None: a fresh process) and
+    its complete disk checkpoints (restore_plan.py)."""
 
     step: Step | None
     disk: Steps
     node: NodeId | None = None
-    shard: NodeRank | None = None
-    memory: dict[ShardKey, Steps] | None = Field(default=None, max_length=MAX_COPIES)
 
-    def as_plan_input(self) -> dict:
-        """The report as the restore plans read it (restore_plan.py, shard_plan.py): a sharded report only
-        has the sharded fields."""
-        return self.model_dump(exclude_none=True) | {"step": self.step}
+
+class ShardedRestoreReport(RestoreReport):
+    """A rank of a sharded job (FSDP, HSDP, DP x TP) also says which shard it holds and the in-memory copies
+    it keeps, shard -> steps (shard_plan.py). Its required `shard` tells it from a data-parallel report."""
+
+    shard: NodeRank
+    memory: dict[ShardKey, Steps] = Field(default_factory=dict, max_length=MAX_COPIES)
 
 
 class FinishReport(Msg):
@@ -44,3 +45,6 @@ class ErrorReport(Msg):
 
     signature: str = Field(max_length=1024)
     step: Int64
+
+
+Report = RestoreReport | FinishReport | ErrorReport  # a sharded report is a RestoreReport

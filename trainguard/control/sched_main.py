@@ -15,7 +15,6 @@ from ..exitcodes import EXIT_CONFIG
 from .sched_child import die_with_parent
 from .scheduler import Scheduler
 
-
 FULL_GC_EVERY = 100  # younger collections per full one (Python's default: 10)
 
 

@@ -33,6 +33,7 @@ from .elastic import ElasticScheduling
 from .kvstore import KVStore
 from .metrics import MetricsServer
 from .msgbase import for_log
+from .outcomes import Decided
 from .placement import PlacementPolicy
 from .rendezvous import RendezvousRequests
 from .sched_child import drain_on_signals, kill_if_local, publish_port
@@ -86,7 +87,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
         self.kv = KVStore()
         self.agents = AgentBoard(PlacementPolicy.from_env(os.environ), self.events)
         self._agreements: dict[tuple[int, str], dict[int, dict]] = {}
-        self._decisions: dict[tuple[int, str], dict] = {}
+        self._decisions: dict[tuple[int, str], Decided] = {}
         self._known_step = 0  # the newest step a restore decision named (the heartbeats tell the rest)
         self._liveness: dict[int, tuple[str, int]] = {}  # id(connection) -> (node_id, incarnation)
         self._conns: set[SchedulerConnection] = set()  # open connections, closed at job end

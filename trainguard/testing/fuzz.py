@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from ..config import MAX_SLOTS, MAX_WORKER_NUM
 from ..control import auth
 from ..control import protocol as p
 from ..control.msgbase import INT64_MAX, MAX_INCARNATION
-from ..config import MAX_SLOTS, MAX_WORKER_NUM
 from ..errors import ProtocolError
 
 EDGES = [-(1 << 63), -(1 << 31), -2, -1, 0, 1, 2, 3, 255, 256, (1 << 22), (1 << 22) + 1, MAX_SLOTS, MAX_SLOTS + 1,

@@ -15,7 +15,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ..checkpoint.blob import unpack
-from ..control.restore_plan import lost_steps
+from ..control.outcomes import RestoreDecision, SourceKind
+from ..control.reports import RestoreReport
 from ..errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
 from ..worker.transfer import broadcast_int, recv_bytes, send_bytes
 from . import phase as elastic
@@ -34,10 +35,10 @@ class Recovery:
         self.retries = 0  # in-process recoveries in a row with nobody restarted
         self.members: frozenset | None = None  # the processes of the last recovery
 
-    def report(self) -> dict:
+    def report(self) -> RestoreReport:
         session = self.session
-        return {"step": session.step if session.holds_state else None, "disk": session.disk_sources.complete_steps(),
-                "node": session.rt.node_id}
+        return RestoreReport(step=session.step if session.holds_state else None,
+                             disk=session.disk_sources.complete_steps(), node=session.rt.node_id)
 
     def count_retry(self, reason: str) -> None:
         """A recovery with the same processes as before is a retry; past the limit, escalate."""
@@ -76,11 +77,11 @@ class Recovery:
                 form = True
                 t_agree = time.monotonic()
                 decision = rt.client.agree(rt.generation, "restore", self.report(), session.cfg.agree_timeout)
-                if decision.get("error"):
-                    raise RecoveryError(decision["error"])
+                if decision.error is not None:
+                    raise RecoveryError(decision.error)
                 t_apply = time.monotonic()
                 self.apply(decision)
-                log.info("rank %d: agreed on step %s in %.0f ms, restored in %.0f ms", rt.rank, decision["step"],
+                log.info("rank %d: agreed on step %s in %.0f ms, restored in %.0f ms", rt.rank, decision.step,
                          1000 * (t_apply - t_agree), 1000 * (time.monotonic() - t_apply))
                 break
             except ClusterFailed as exc:  # the job is over (failed, or the launcher gave up): leave cleanly
@@ -93,29 +94,29 @@ class Recovery:
         if session.recoveries or rt.generation > 1:  # a replacement reports its first step too (trainguard report)
             session.first_step_since = t0
         if session.recoveries and rt.rank == 0:
-            print(f"trainguard: generation {rt.generation}: resumed at step {decision['step']} "
-                  f"(lost {lost_steps(decision)} steps), regrouped and restored in {took:.3f} s", flush=True)
+            print(f"trainguard: generation {rt.generation}: resumed at step {decision.step} "
+                  f"(lost {decision.lost_steps} steps), regrouped and restored in {took:.3f} s", flush=True)
 
-    def apply(self, decision: dict) -> None:
+    def apply(self, decision: RestoreDecision) -> None:
         session = self.session
         rt = session.rt
-        s = int(decision["step"])
-        sources = decision["sources"]
-        kind = sources[str(rt.rank)]["kind"]
+        s = decision.step
+        mine = decision.source(rt.rank)
+        kind = mine.kind
         own = None
-        if kind == "peer":
-            blob = unpack(recv_bytes(sources[str(rt.rank)]["peer"], rt.group), "peer state")
+        if kind is SourceKind.PEER:
+            blob = unpack(recv_bytes(mine.peer, rt.group), "peer state")
             session.state.load_shared(blob["shared"])
             own = blob["own"]
-        elif kind == "disk":
+        elif kind is SourceKind.DISK:
             loaded = session.disk_sources.load(s)
             session.state.load_shared(loaded["shared"])
             own = loaded["own"]
-        elif kind == "init":  # a fresh job: everyone starts from rank 0's parameters and seed
+        elif kind is SourceKind.INIT:  # a fresh job: everyone starts from rank 0's parameters and seed
             if session.sync is not None:
                 session.state.model.broadcast_from(0, rt.group)
             session.seed = broadcast_int(job_seed(), 0, rt.group)
-        serve = sorted(int(r) for r, src in sources.items() if src.get("peer") == rt.rank)
+        serve = decision.served_by(rt.rank)
         if serve:
             blob = session.pack_live()
             for q in serve:
@@ -137,9 +138,8 @@ class Recovery:
             session.iterator = session.make_iter()  # creating an iterator draws from the RNG: do it before seeding
         reseed(session.seed, rt.rank, session.step)
         session.rng_touched = True  # and again where the step begins: the code before it may differ from the run that failed
-        session.source = {"self": "its own state", "peer": f"rank {sources[str(rt.rank)].get('peer')}",
-                       "disk": "the checkpoint on disk", "init": "a fresh start"}[kind]
-        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind)
+        session.source = mine.words()
+        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind.value)
         if rt.rank == 0:
-            rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.get("from_step"),
-                           fresh=decision.get("fresh", False))
+            rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.from_step,
+                           fresh=decision.fresh)

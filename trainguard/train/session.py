@@ -31,6 +31,7 @@ from typing import Iterator
 
 from ..checkpoint.blob import pack, unpack
 from ..checkpoint.codec import flatten_state
+from ..control.reports import FinishReport
 from ..errors import (
     CollectiveFailed,
     ConfigError,
@@ -40,9 +41,8 @@ from ..errors import (
 )
 from ..worker import runtime as rt_mod
 from ..worker.transfer import all_max
-from . import parallel_strategy
+from . import parallel_strategy, rewind
 from . import phase as elastic
-from . import rewind
 from .checkpointing import DiskSources
 from .data import sampler_of
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
@@ -336,7 +336,7 @@ class Session:
         """The last barrier: everyone reached the end, or a late failure sends us back to recover (in place,
         or, with `recover=False`, to the caller: a rewind)."""
         try:
-            self.rt.client.agree(self.rt.generation, "finish", {"step": self.step}, self.cfg.agree_timeout)
+            self.rt.client.agree(self.rt.generation, "finish", FinishReport(step=self.step), self.cfg.agree_timeout)
             return True
         except FencedError:
             if recover:

@@ -42,6 +42,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from ..control.outcomes import SourceKind
 from ..errors import ConfigError, JobStopped
 from ..exitcodes import EXIT_FAULT_STOP
 from ..meshspec import MeshSpec
@@ -101,7 +102,7 @@ class ShardedJob:
         self.step = 0  # committed steps
         self.seed: int | None = None
         self.source = ""  # where the last restore took this rank's state from, in words
-        self.source_kind = ""  # self, memory, peer, disk or init
+        self.source_kind: SourceKind | None = None  # and its kind (a str enum: == "disk" holds)
         self.started = False
         self.recoveries = 0
         self.copies, self.host = Copies(), HostCopy()

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.blob import pack, unpack
-from ..control.restore_plan import lost_steps
+from ..control.outcomes import CopyKind, RestoreDecision, SourceKind
+from ..control.reports import FinishReport, ShardedRestoreReport
 from ..errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
 from ..worker.sever import open_sockets
 from ..worker.transfer import broadcast_int, recv_bytes, send_bytes
@@ -30,10 +31,6 @@ if TYPE_CHECKING:
     from .shardjob import ShardedJob
 
 log = logging.getLogger("trainguard.shardrecover")
-
-SOURCE_WORDS = {"self": "its own live state", "memory": "its own in-memory copy", "disk": "the checkpoint on disk",
-                "init": "a fresh start"}
-
 
 class Recovery:
     def __init__(self, job: "ShardedJob"):
@@ -87,8 +84,8 @@ class Recovery:
                     rt.form()
                 form = True
                 decision = rt.client.agree(rt.generation, "restore", self._report(live), job.agree_timeout)
-                if decision.get("error"):
-                    raise RecoveryError(decision["error"])
+                if decision.error is not None:
+                    raise RecoveryError(decision.error)
                 self._apply(decision, live)
                 break
             except ClusterFailed as exc:  # the job is over (failed, or the launcher gave up): leave cleanly
@@ -101,16 +98,16 @@ class Recovery:
         if job.recoveries or rt.generation > 1:
             job.pending_report = t0
         if (job.recoveries or rt.generation > 1) and rt.rank == 0:  # a replacement rank 0 says it too
-            print(f"trainguard: generation {rt.generation}: resumed at step {decision['step']} "
-                  f"(lost {lost_steps(decision)} steps), regrouped and restored in {took:.3f} s", flush=True)
+            print(f"trainguard: generation {rt.generation}: resumed at step {decision.step} "
+                  f"(lost {decision.lost_steps} steps), regrouped and restored in {took:.3f} s", flush=True)
 
-    def _report(self, live: dict | None) -> dict:
+    def _report(self, live: dict | None) -> ShardedRestoreReport:
         job, rt = self.job, self.job.rt
         disk = []
         if job.ckpt is not None and (job.ckpt.resume or rt.generation > 1):
             disk = job.ckpt.complete_steps()
-        return {"step": job.step if live is not None else None, "shard": job.spec.shard_of(rt.rank),
-                "memory": job.copies.held(), "disk": disk, "node": rt.node_id}
+        return ShardedRestoreReport(step=job.step if live is not None else None, shard=job.spec.shard_of(rt.rank),
+                                    memory=job.copies.held(), disk=disk, node=rt.node_id)
 
     def _build(self) -> None:
         """The user's modules for this generation's group, and the side group the copies travel on."""
@@ -140,23 +137,23 @@ class Recovery:
         self.job.applied = True
         self.job.phase_point("in_commit")
 
-    def _apply(self, decision: dict, live: dict | None) -> None:
+    def _apply(self, decision: RestoreDecision, live: dict | None) -> None:
         job, rt = self.job, self.job.rt
-        s, sources = int(decision["step"]), decision["sources"]
-        mine = sources[str(rt.rank)]
-        kind = mine["kind"]
-        if kind == "init":
+        s = decision.step
+        mine = decision.source(rt.rank)
+        kind = mine.kind
+        if kind is SourceKind.INIT:
             job.seed = broadcast_int(job_seed(), 0, rt.group)
         self._build()
-        received = self._transfer(s, sources, live)
+        received = self._transfer(s, decision, live)
         part, seed = None, None
-        if kind == "self":
+        if kind is SourceKind.SELF:
             part, seed = live, job.seed
-        elif kind in ("memory", "peer"):
-            data = job.copies.get(job.spec.shard_of(rt.rank), s) if kind == "memory" else received
+        elif kind in (SourceKind.MEMORY, SourceKind.PEER):
+            data = job.copies.get(job.spec.shard_of(rt.rank), s) if kind is SourceKind.MEMORY else received
             blob = unpack(data, f"the state of step {s}")
             part, seed = blob["part"], blob["seed"]
-        elif kind == "disk":
+        elif kind is SourceKind.DISK:
             seed = job.ckpt.load(s, job.model, job.optimizer)
         if part is not None:
             shardstate.load(job.model, job.optimizer, part)
@@ -167,27 +164,25 @@ class Recovery:
         job.step = s
         self._refs, self._live = self._capture(), True
         reseed(job.seed, rt.rank, s)
-        job.source_kind = kind
-        job.source = SOURCE_WORDS.get(kind) or (f"rank {mine['peer']}'s "
-                                                 f"{'live replica' if mine['from'] == 'live' else 'in-memory copy'}")
-        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind,
-                       peer=mine.get("peer"), copy=mine.get("from"))
-        if kind not in ("self", "init") and (job.recoveries or rt.generation > 1):
+        job.source_kind, job.source = kind, mine.words()
+        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind.value,
+                       peer=mine.peer, copy=None if mine.origin is None else mine.origin.value)
+        if kind not in (SourceKind.SELF, SourceKind.INIT) and (job.recoveries or rt.generation > 1):
             print(f"trainguard: rank {rt.rank}: restored shard {job.spec.shard_of(rt.rank)} at step {s} from "
                   f"{job.source}", flush=True)
         if rt.rank == 0:
-            rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.get("from_step"),
-                           fresh=decision.get("fresh", False))
+            rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.from_step,
+                           fresh=decision.fresh)
         job.restart_cadence()
         job.snapshot_round(agreed=True)  # every rank, at once: a copy of the step everyone now holds
 
-    def _transfer(self, s: int, sources: dict, live: dict | None) -> bytes | None:
+    def _transfer(self, s: int, decision: RestoreDecision, live: dict | None) -> bytes | None:
         job, rank = self.job, self.job.rt.rank
-        pairs = sorted((src["peer"], int(r)) for r, src in sources.items() if src["kind"] == "peer")
+        pairs = sorted((src.peer, r) for r, src in enumerate(decision.sources) if src.kind is SourceKind.PEER)
         got, packed_live = None, None
         for q, r in pairs:
             if q == rank:
-                if sources[str(r)]["from"] == "live":
+                if decision.source(r).origin is CopyKind.LIVE:
                     if packed_live is None:
                         packed_live = pack({"part": live, "seed": job.seed, "step": s})
                     data = packed_live
@@ -206,7 +201,7 @@ class Recovery:
         recover (maybe to an earlier step, which the loop then trains again)."""
         job, rt = self.job, self.job.rt
         try:
-            rt.client.agree(rt.generation, "finish", {"step": job.step}, job.agree_timeout)
+            rt.client.agree(rt.generation, "finish", FinishReport(step=job.step), job.agree_timeout)
         except FencedError:
             self.run(form=True, reason="")
             return False

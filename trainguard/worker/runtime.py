@@ -25,6 +25,8 @@ from .. import config as C
 from .. import rewinding
 from ..control import protocol as p
 from ..control.client import Heartbeater, SchedulerClient
+from ..control.outcomes import ErrorDecision
+from ..control.reports import ErrorReport
 from ..errors import (
     ClusterFailed,
     ConfigError,
@@ -241,12 +243,12 @@ class Runtime:
             return False
         self.drop_group()
         try:
-            decision = self.client.agree(self.generation, "error", {"signature": signature[:300], "step": self.step},
-                                         ERROR_VOTE_S)
+            decision = self.client.agree(self.generation, "error",
+                                         ErrorReport(signature=signature[:300], step=self.step), ERROR_VOTE_S)
         except (TrainguardError, OSError) as exc:
             log.info("rank %d: the error vote ended without a decision (%s)", self.rank, exc)
             return False
-        return bool(decision.get("same"))
+        return isinstance(decision, ErrorDecision) and decision.same
 
     def membership_changed(self) -> bool:
         """True when the scheduler has moved past our generation (seen by the heartbeat)."""
