@@ -22,7 +22,7 @@ from trainguard.checkpoint.manifest import new_manifest
 from trainguard.checkpoint.replicas import recover_rank
 from trainguard.errors import CheckpointCorrupt, CheckpointError
 from trainguard.launch.cli import main
-from trainguard.train.faults import disk_full_at
+from trainguard.train.faults import DiskFull, disk_full_at
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,16 +86,18 @@ def test_the_committer_waits_for_a_slower_rank(tmp_path):
     late.join()
 
 
-def test_a_failed_part_stops_the_committer_at_once(tmp_path, monkeypatch):
+def test_a_failed_part_stops_the_committer_at_once(tmp_path):
     tensors, meta, blobs = snapshot(4)
     folder = tmp_path / "ck-1_4"
     sid = jobsave.save_id(folder.name, 4, blobs)
     tmp = jobsave.temp_for(folder, 4, sid)
     jobsave.write_part(tmp, 0, 4, tensors, meta, sid)
-    monkeypatch.setattr(fmt, "write_shard", fmt.write_shard)  # undone after the test
     disk_full_at({(1, 4)})
-    with pytest.raises(CheckpointError, match=r"rank 1 could not write its part of step 4, .*No space left"):
-        jobsave.write_part(tmp, 1, 4, tensors, meta, sid)
+    try:
+        with pytest.raises(CheckpointError, match=r"rank 1 could not write its part of step 4, .*No space left"):
+            jobsave.write_part(tmp, 1, 4, tensors, meta, sid)
+    finally:
+        fmt.remove_write_fault(DiskFull(frozenset({(1, 4)})))
     assert not list(tmp.glob(".rank_1*"))  # the partial file is gone
     manifest = new_manifest(folder, meta={}, step=4, epoch=0, world_size=WORLD, ranks=jobsave.ranks_entry(blobs))
     with pytest.raises(CheckpointError, match="abandoned: rank 1 could not write"):

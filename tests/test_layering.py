@@ -33,7 +33,7 @@ NEEDS_TORCH: set[str] = set()
 # modules the whole package shares; "api" (trainguard/__init__.py, __main__.py) may import anything.
 # The control plane sits at the bottom, the worker runtime on it, training on both and on the
 # checkpoint formats; the launcher drives the control plane and reads checkpoints for its CLI.
-BASE = ("config", "errors", "exitcodes", "signals", "strategies", "tlsconfig", "files", "meshspec", "rewinding")
+BASE = ("config", "errors", "exitcodes", "signals", "strategies", "tlsconfig", "files", "durable", "meshspec", "rewinding")
 LAYERS = {
     "base": set(),
     "obs": {"base"},

@@ -15,7 +15,7 @@ from safetensors.torch import save as st_save
 from safetensors.torch import save_file
 
 from ..errors import CheckpointCorrupt
-from . import io
+from .. import durable
 from .codec import flatten_state, unflatten_state
 
 _HEAD = struct.Struct(">IQ")
@@ -50,7 +50,7 @@ def unpack(data: bytes, what: str = "state blob"):
 def save_state(path, obj) -> None:
     """Write any training state to one safetensors file (structure in its metadata), atomically."""
     tensors, meta = flatten_state(obj, copy=True)
-    with io.replacing(Path(path)) as tmp:
+    with durable.replacing(Path(path)) as tmp:
         save_file(tensors, str(tmp), metadata={"trainguard_meta": json.dumps(meta, allow_nan=False)})
 
 

@@ -24,14 +24,14 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
+from .. import durable
 from ..errors import CheckpointError
-from . import io
 from .layout import CheckpointLayout
 from .manifest import (
     MANIFEST,
@@ -66,6 +66,31 @@ def checkpoint_name(prefix: str, epoch: int, step_in_epoch: int) -> str:
 # --- writing -------------------------------------------------------------------------------
 
 
+class WriteFault(Protocol):
+    """A fault a test puts into every shard write (train/faults.py: a full disk, a slow dying gasp). Either
+    call may raise OSError, as a real disk does; nothing else changes how a shard is written."""
+
+    def opened(self, path: Path, f: BinaryIO) -> None:
+        """The file is open and empty."""
+
+    def written(self, path: Path) -> None:
+        """The file is written and fsynced."""
+
+
+_FAULTS: list[WriteFault] = []
+
+
+def inject_write_fault(fault: WriteFault) -> None:
+    """Put `fault` into every later shard write of this process (once: an equal fault is not added again)."""
+    if fault not in _FAULTS:
+        _FAULTS.append(fault)
+
+
+def remove_write_fault(fault: WriteFault) -> None:
+    if fault in _FAULTS:
+        _FAULTS.remove(fault)
+
+
 def write_shard(path: Path, tensors: dict[str, torch.Tensor],
                 metadata: dict[str, str] | None = None) -> tuple[str, int]:
     """Write one safetensors file (streamed, fsynced), with string `metadata` in its header;
@@ -95,12 +120,16 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor],
     hasher.start()
     try:
         with open(path, "xb") as f:
+            for fault in _FAULTS:
+                fault.opened(path, f)
             for chunk in chunks:
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
     finally:
         hasher.join()
+    for fault in _FAULTS:
+        fault.written(path)
     return digest[0], 8 + len(head) + offset
 
 
@@ -161,7 +190,7 @@ def commit_checkpoint(folder: Path, tag: str, manifest: dict, *, shards: dict | 
                                       f"but its writer reported {entry['bytes']} bytes; is the directory shared by "
                                       "every rank?")
         current = tmp / MANIFEST
-        io.write_json(current, manifest, indent=1)  # and fsyncs the folder
+        durable.write_json(current, manifest, indent=1)  # and fsyncs the folder
         current = folder
         if folder.exists():
             os.rename(folder, old)
@@ -169,7 +198,7 @@ def commit_checkpoint(folder: Path, tag: str, manifest: dict, *, shards: dict | 
         os.rename(tmp, folder)
         done = True
         current = parent
-        io.fsync_dir(parent)
+        durable.fsync_dir(parent)
     except OSError as exc:
         state = ("it is in place but may not survive a power loss" if done
                  else "the previous checkpoint is unchanged")
@@ -179,9 +208,9 @@ def commit_checkpoint(folder: Path, tag: str, manifest: dict, *, shards: dict | 
         if not done:
             if moved_aside:
                 _undo_aside(old, folder)
-            io.remove(tmp)
+            durable.remove(tmp)
         elif moved_aside:
-            io.remove(old)
+            durable.remove(old)
     return folder
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import io
+from .. import durable
 from .safeheader import CorruptFile, read_untrusted
 
 GROUP_INFO_KIND = "trainguard-group-info"
@@ -24,7 +24,7 @@ def group_info_file(rank: int) -> str:
 
 def write_group_info(folder: Path, rank: int, ranks: list[int], world_size: int) -> Path:
     path = Path(folder) / group_info_file(rank)
-    io.write_json(path, {"kind": GROUP_INFO_KIND, "version": 1, "rank": rank, "world_size": world_size,
+    durable.write_json(path, {"kind": GROUP_INFO_KIND, "version": 1, "rank": rank, "world_size": world_size,
                          "group_info": sorted(ranks)})
     return path
 

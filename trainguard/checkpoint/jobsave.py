@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..errors import CheckpointCorrupt, CheckpointError
 from . import format as fmt
-from . import io
+from .. import durable
 from .blob import unpack
 from .codec import unflatten_state
 from .manifest import MANIFEST, Kind, Manifest, Recovered, Verified, rank_file, read
@@ -89,19 +89,19 @@ def write_part(tmp: Path, rank: int, step: int, tensors: dict, meta: dict, sid: 
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         # write_shard fsyncs the file; writing the done marker below fsyncs the folder
-        with io.replacing(tmp / name, fsync=False, sync_dir=False) as private:
+        with durable.replacing(tmp / name, fsync=False, sync_dir=False) as private:
             current = private
             sha, size = fmt.write_shard(private, tensors, {META_KEY: json.dumps(meta, allow_nan=False)})
             current = tmp / name
         entry = {"save_id": sid, "rank": rank, "file": name, "sha256": sha, "bytes": size}
         current = _marker(tmp, rank, "done")
-        io.write_json(current, entry)
+        durable.write_json(current, entry)
         return entry
     except (OSError, CheckpointError) as exc:
         why = f"{exc.strerror or exc} [errno {exc.errno}]" if isinstance(exc, OSError) else str(exc)
         error = f"rank {rank} could not write its part of step {step}, {current}: {why}"
         try:
-            io.write_json(_marker(tmp, rank, "failed"), {"save_id": sid, "rank": rank, "error": error})
+            durable.write_json(_marker(tmp, rank, "failed"), {"save_id": sid, "rank": rank, "error": error})
         except OSError as again:
             log.error("could not leave a failed marker in %s either (%s): the committer waits until its timeout",
                       tmp, again)
@@ -136,7 +136,7 @@ def commit(folder: Path, step: int, sid: str, manifest: dict, *, timeout: float,
     while True:
         done, failed = _read_markers(tmp, world, sid)
         if failed:
-            io.remove(tmp)
+            durable.remove(tmp)
             raise CheckpointError(f"checkpoint {folder} of step {step} abandoned: " + "; ".join(failed))
         missing = [r for r in range(world) if r not in done]
         if not missing:
@@ -202,7 +202,7 @@ def copy_replica(manifest: Manifest, name: str, source: str) -> bool:
         data = read_untrusted(folder / source, entry.bytes, expect=entry.bytes)
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             raise OSError(f"{source} changed while it was copied")
-        io.write_bytes(folder / name, data)
+        durable.write_bytes(folder / name, data)
     except (OSError, CheckpointCorrupt) as exc:
         log.warning("could not rewrite %s from its replica %s: %s", folder / name, source, exc)
         return False

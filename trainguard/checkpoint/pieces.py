@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from . import io
+from .. import durable
 from .format import read_shard, write_shard
 from .groupinfo import group_info_file, read_group_info, write_group_info
 from .layout import CheckpointLayout, Piece, Slice, TensorLayout
@@ -214,7 +214,7 @@ def recover_layout(manifest: Manifest, rank: int) -> Recovered:
             raise CheckpointError(f"{path}: rank {rank} alone holds tensor {tname!r} {piece.slice}, so no replica can "
                                   "rebuild it; fall back to an earlier checkpoint")
         tensors[tname] = reader.read_piece(tname, piece)
-    with io.replacing(path, fsync=False) as tmp:  # write_shard fsyncs
+    with durable.replacing(path, fsync=False) as tmp:  # write_shard fsyncs
         sha, size = write_shard(tmp, tensors)
         if (sha, size) != (entry.sha256, entry.bytes):
             sources = ", ".join(layout.rank_files[r] for r in sorted(reader.used))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..errors import CheckpointCorrupt
-from . import io
+from .. import durable
 from .format import STALE_TEMP_SECONDS, TEMP_TAGS, CheckpointInfo
 from .manifest import Manifest, read
 
@@ -72,11 +72,11 @@ def prune_checkpoints(directory: Path, prefix: str, keep_max: int, *,
         except OSError as exc:
             log.warning("could not prune %s: %s", info.path, exc)
             continue
-        io.remove(aside)
+        durable.remove(aside)
         deleted.append(info.path)
     temp = re.compile(rf"^\.{re.escape(prefix)}-\d+_\d+\.(?:{'|'.join(TEMP_TAGS)})-\d+-[0-9a-f]+$")
     cutoff = time.time() - stale_temp_seconds
     for path in sorted(directory.iterdir()) if directory.is_dir() else []:
-        if temp.match(path.name) and path.is_dir() and _stale(path, cutoff) and io.remove(path):
+        if temp.match(path.name) and path.is_dir() and _stale(path, cutoff) and durable.remove(path):
             deleted.append(path)
     return deleted

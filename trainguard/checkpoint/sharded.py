@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from . import io
+from .. import durable
 from .codec import flatten_state
 from .format import commit_checkpoint, temp_folder, write_shard
 from .groupinfo import group_info_file, write_group_info
@@ -194,7 +194,7 @@ def save_sharded(folder: str | Path, state: Any, *, step: int, epoch: int = 0, i
     rows = comm.all_gather([int(error is None), *written])
     if bad := _failed(rows):
         if comm.rank == 0:
-            io.remove(tmp)
+            durable.remove(tmp)
         raise error or CheckpointError(f"cannot save {folder}: rank(s) {bad} could not write their files; see "
                                        "their logs for the file and the cause")
 

@@ -9,13 +9,13 @@ that `trainguard status RECOVERY_PATH` finds it; the job secret next to it authe
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
+from .. import durable
 from ..obs.events import EventTail
 from ..obs.timeline import build
 from . import membership as m
@@ -47,11 +47,7 @@ class JobView:
         if self.recovery_path is None:
             return
         path = self.recovery_path / SCHEDULER_FILE
-        tmp = path.with_name(f".{SCHEDULER_FILE}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"host": host, "port": port, "pid": os.getpid()}, f)
-        os.replace(tmp, path)
+        durable.write_json(path, {"host": host, "port": port, "pid": os.getpid()}, mode=0o600)
 
     def job_step(self) -> int:
         """The newest step any member said it committed (0 before any)."""

@@ -10,11 +10,11 @@ the same user's tools reach the job: `TG_JOB_SECRET_FILE=<recovery path>/job.sec
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 from typing import Mapping
 
+from .. import durable
 from ..config import INSECURE_ENV, JOB_SECRET_ENV, JOB_SECRET_FILE_ENV, read_secret
 from ..errors import ConfigError
 
@@ -39,12 +39,5 @@ def job_secret(env: Mapping[str, str], *, nnodes: int, insecure: bool) -> bytes 
 def write_secret(folder: Path, secret: bytes) -> Path:
     """Write the secret to folder/job.secret, readable by this user only (a temp file renamed into place)."""
     path = folder / SECRET_FILE
-    tmp = folder / f".{SECRET_FILE}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, secret + b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    durable.write_bytes(path, secret + b"\n", mode=0o600)
     return path

@@ -208,45 +208,51 @@ def fire(f: Fault, rt) -> None:
     os.kill(os.getpid(), sig)
 
 
-def slow_dying_gasp_writes(seconds: float) -> None:
-    """Make each file of a dying-gasp checkpoint take `seconds` longer (after writing it, before the
-    manifest): a test hook for grace periods too short for the save. Regular saves are untouched."""
-    from ..checkpoint import format as fmt
-    from .dump import GASP_THREAD
+@dataclass(frozen=True)
+class SlowDyingGasp:
+    """Each file of a dying-gasp checkpoint takes `seconds` longer (after writing it, before the manifest): a
+    test hook for grace periods too short for the save. Regular saves are untouched."""
 
-    real = getattr(fmt, "write_shard", None)
-    if real is None:
-        raise ConfigError(f"{SLOW_SAVE_ENV}: this checkpoint writer has no write_shard to slow down")
-    if getattr(real, "_slowed", False):
-        return
+    seconds: float
 
-    def slow(path, tensors, *args, **kwargs):
-        out = real(path, tensors, *args, **kwargs)
+    def opened(self, path, f) -> None:
+        pass
+
+    def written(self, path) -> None:
+        from .dump import GASP_THREAD
+
         if threading.current_thread().name == GASP_THREAD:
-            time.sleep(seconds)
-        return out
+            time.sleep(self.seconds)
 
-    slow._slowed = True
-    fmt.write_shard = slow
+
+@dataclass(frozen=True)
+class DiskFull:
+    """The checkpoint file of each (rank, step) in `points` hits a full disk: a few bytes are written, then
+    OSError(ENOSPC) is raised, as a real full disk does mid-write."""
+
+    points: frozenset[tuple[int, int]]
+
+    def opened(self, path, f) -> None:
+        from ..checkpoint import jobsave
+
+        if jobsave.WRITING.get() in self.points:
+            f.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected by " + DISK_FULL_ENV + ")", str(path))
+
+    def written(self, path) -> None:
+        pass
+
+
+def slow_dying_gasp_writes(seconds: float) -> None:
+    from ..checkpoint.format import inject_write_fault
+
+    inject_write_fault(SlowDyingGasp(seconds))
 
 
 def disk_full_at(points: set[tuple[int, int]]) -> None:
-    """Make the checkpoint file of each (rank, step) in `points` hit a full disk: a few bytes are
-    written, then OSError(ENOSPC) is raised, as a real full disk does mid-write."""
-    from ..checkpoint import format as fmt
-    from ..checkpoint import jobsave
+    from ..checkpoint.format import inject_write_fault
 
-    real = fmt.write_shard
-
-    def full(path, tensors, *args, **kwargs):
-        if jobsave.WRITING.get() not in points:
-            return real(path, tensors, *args, **kwargs)
-        with open(path, "xb") as f:
-            f.write(b"\0" * 4096)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected by " + DISK_FULL_ENV + ")", str(path))
-
-    full._slowed = getattr(real, "_slowed", False)
-    fmt.write_shard = full
+    inject_write_fault(DiskFull(frozenset(points)))
 
 
 def disk_full_from_env(env=None) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from .. import durable
 
 log = logging.getLogger("trainguard.strategy")
 
@@ -67,11 +68,9 @@ def write(doc: dict, directories: list[Path]) -> list[Path]:
     written = []
     for directory in dict.fromkeys(Path(d) for d in directories):
         path = directory / FILE_NAME
-        tmp = path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
+            durable.write_bytes(path, text.encode())
             written.append(path)
         except OSError as exc:  # the layout is documentation for a later reader; training goes on
             log.error("could not write %s: %s", path, exc)

@@ -1,9 +1,12 @@
-"""Durable writes: a file appears whole under its name or not at all, and survives a power loss.
+"""Durable writes, the one helper every file trainguard keeps is written with (checkpoints, markers,
+scheduler.json, job.secret, strategy.json): a file appears whole under its name or not at all, and
+survives a power loss.
 
 `replacing(path)` hands out a private temp name beside `path`; when the block ends without an
 error, the temp file is fsynced, renamed over `path`, and its folder fsynced. The temp file never
-stays behind. `write_bytes` and `write_json` are the one-call forms. A whole checkpoint folder is
-swapped into place the same way (format.commit_checkpoint), with `fsync_dir` and `remove`.
+stays behind. `write_bytes` and `write_json` are the one-call forms (`mode=0o600` for a file only its
+owner may read, such as a secret). A whole checkpoint folder is swapped into place the same way
+(checkpoint/format.commit_checkpoint), with `fsync_dir` and `remove`.
 
 Temp names start with a dot and the target's name, ``.{name}.{pid}-{hex}``, so a writer killed
 before its rename leaves only a hidden file that the folder's owner can sweep.
@@ -21,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-log = logging.getLogger("trainguard.checkpoint")
+log = logging.getLogger("trainguard.durable")
 
 
 def fsync_dir(path: Path) -> None:
@@ -68,14 +71,17 @@ def replacing(path: Path, *, fsync: bool = True, sync_dir: bool = True) -> Itera
         tmp.unlink(missing_ok=True)
 
 
-def write_bytes(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
-    with replacing(path, sync_dir=sync_dir) as tmp, open(tmp, "xb") as f:
-        f.write(data)
+def write_bytes(path: Path, data: bytes, *, sync_dir: bool = True, mode: int = 0o666) -> None:
+    """`mode` as for os.open (the umask applies): the file has it from its creation, never wider."""
+    with replacing(path, sync_dir=sync_dir) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
 
 
-def write_json(path: Path, obj: dict, *, sync_dir: bool = True, indent: int | None = None) -> None:
+def write_json(path: Path, obj: dict, *, sync_dir: bool = True, indent: int | None = None, mode: int = 0o666) -> None:
     """Write `obj` as strict JSON (no NaN or infinity) to `path`, atomically and durably."""
-    write_bytes(path, json.dumps(obj, allow_nan=False, indent=indent).encode(), sync_dir=sync_dir)
+    write_bytes(path, json.dumps(obj, allow_nan=False, indent=indent).encode(), sync_dir=sync_dir, mode=mode)
 
 
 def remove(path: Path) -> bool:
