@@ -111,12 +111,12 @@ def test_a_worker_ends_as_python_would_without_tearing_down_its_modules(tmp_path
         log.write("written, never closed")
         def late():
             time.sleep(0.3)
-            print("thread done", flush=True)
+            print("thread done\\n", end="", flush=True)  # one write: the two threads' lines never interleave
         threading.Thread(target=late).start()
         saved = threading.Event()
         def save():
             time.sleep(0.3)
-            print("save done", flush=True)
+            print("save done\\n", end="", flush=True)
             saved.set()
         threading.Thread(target=save, daemon=True).start()
         when_main_thread_ends(saved.wait, 10)  # as ModelCheckpoint waits for its last save
