@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from harness import wait_for
 
 from trainguard.config import MAX_FRAME_BYTES, ClusterConfig, LaunchMode, Role
 from trainguard.control import auth
@@ -36,6 +37,14 @@ WAIT_S = 5.0
 
 
 # --- helpers ----------------------------------------------------------------------------------
+
+
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()  # the scheduler drops a silent peer
+        return True
+    except OSError:
+        return False
 
 
 def free_port() -> int:
@@ -73,6 +82,7 @@ def proc_sched(tmp_path):
         port = free_port()
         proc = scheduler_process(port, tmp_path, recovery=recovery)
         started.append(proc)
+        wait_for(lambda: listening(port) or proc.poll() is not None, 120, "the scheduler to listen")  # a hang guard
         return proc, ("127.0.0.1", port)
 
     yield start

@@ -33,9 +33,8 @@ from .elastic import ElasticScheduling
 from .kvstore import KVStore
 from .metrics import MetricsServer
 from .msgbase import for_log
-from .outcomes import Decided
 from .placement import PlacementPolicy
-from .rendezvous import RendezvousRequests
+from .rendezvous import Rendezvous
 from .sched_child import drain_on_signals, kill_if_local, publish_port
 from .status import JobView
 
@@ -49,9 +48,10 @@ LISTEN_BACKLOG = 4096  # a registration storm of thousands connects at once (the
 LINGER_MAX_S = 2.0  # a failed job's scheduler answers its survivors this long at most before it exits
 
 
-class Scheduler(RendezvousRequests, AgentRequests):
-    """Membership, fencing and the job's end; the rendezvous requests are in rendezvous.py, the agents' in
-    agentreqs.py."""
+class Scheduler:
+    """Membership, fencing and the job's end. Two collaborators answer the other requests: the rendezvous
+    (join, agree, the store: rendezvous.py) and the agents' (agentreqs.py); they reach the scheduler through
+    its public methods (`current`, `job_over`, `notify`, `wait`, `persist`) and attributes."""
 
     def __init__(self, cfg: ClusterConfig, *, port_fd: int | None = None):
         self.cfg = cfg
@@ -86,9 +86,6 @@ class Scheduler(RendezvousRequests, AgentRequests):
         self.commits = GroupCommit(lambda touched: self.db.save(self.cluster, touched))  # one fsync a loop pass
         self.kv = KVStore()
         self.agents = AgentBoard(PlacementPolicy.from_env(os.environ), self.events)
-        self._agreements: dict[tuple[int, str], dict[int, dict]] = {}
-        self._decisions: dict[tuple[int, str], Decided] = {}
-        self._known_step = 0  # the newest step a restore decision named (the heartbeats tell the rest)
         self._liveness: dict[int, tuple[str, int]] = {}  # id(connection) -> (node_id, incarnation)
         self._conns: set[SchedulerConnection] = set()  # open connections, closed at job end
         self._changes = Changes()  # what blocking requests wait on
@@ -100,6 +97,15 @@ class Scheduler(RendezvousRequests, AgentRequests):
         self.max_connections = MAX_CONNECTIONS_BASE + 4 * cfg.worker_num
         self.max_pending_per_peer = PENDING_PER_PEER_BASE + cfg.worker_num
         self._pending: Counter[str] = Counter()  # peer address -> its connections in the handshake
+        self.rendezvous = Rendezvous(self)
+        agents = AgentRequests(self)
+        self._handlers = {  # request type -> its handler (one argument; a heartbeat's also takes its connection)
+            "register": self._on_register, "reattach": self._on_reattach, "heartbeat": self._on_heartbeat,
+            "report_failure": self._on_report_failure, "process_exited": self._on_process_exited,
+            "finish": self._on_finish, "status": self._on_status,
+            "join": self.rendezvous.on_join, "agree": self.rendezvous.on_agree, "store": self.rendezvous.on_store,
+            "agent_sync": agents.on_agent_sync, "agent_place": agents.on_agent_place,
+            "host_beat": agents.on_host_beat}
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -170,13 +176,14 @@ class Scheduler(RendezvousRequests, AgentRequests):
         while self._liveness and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Wake every blocking request to check its condition again."""
         self._changes.notify()
 
-    async def _wait(self, predicate, deadline: float) -> bool:
+    async def wait(self, predicate, deadline: float) -> bool:
         return await self._changes.wait_for(predicate, deadline)
 
-    def _persist(self, *node_ids: str) -> None:
+    def persist(self, *node_ids: str) -> None:
         """Save the cluster at the end of this loop pass: the meta row, the rows of `node_ids` (none: all)."""
         if self.db:
             self.commits.changed(node_ids or None)
@@ -195,7 +202,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
                 self._fail(node.node_id, node.incarnation, p.FailureKind.HEARTBEAT, detail)
                 kill_if_local(node.node_id, node.host, node.pid, self.port)
             if self.elastic and not self.cluster.formed:  # a dead member's deadline may have passed
-                self._try_form()
+                self.rendezvous.try_form()
 
     # --- connections (conn.py) ---------------------------------------------------------------
 
@@ -225,7 +232,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
         bad = outside_job(req, self.cluster.worker_num)
         if bad:
             return p.Error(code=p.ErrorCode.BAD_MESSAGE, message=bad)
-        handler = getattr(self, f"_on_{req.type}")
+        handler = self._handlers[req.type]
         return handler(req, conn) if req.type == "heartbeat" else handler(req)
 
     def pending_commit(self) -> asyncio.Future | None:
@@ -239,7 +246,8 @@ class Scheduler(RendezvousRequests, AgentRequests):
             if node is not None and node.incarnation == bound[1] and node.state is m.NodeState.ALIVE:
                 self._fail(bound[0], bound[1], p.FailureKind.CONNECTION, "control connection closed")
 
-    def _current(self, node_id: str, incarnation: int) -> m.Node | p.Error:
+    def current(self, node_id: str, incarnation: int) -> m.Node | p.Error:
+        """The node, marked seen now, if `incarnation` is its current one and it is alive; else the error."""
         node = self.cluster.nodes.get(node_id)
         if node is None:
             return p.Error(code=p.ErrorCode.UNKNOWN_NODE, message=f"node {node_id!r} is not registered; register first")
@@ -252,7 +260,8 @@ class Scheduler(RendezvousRequests, AgentRequests):
         node.last_seen = time.monotonic()
         return node
 
-    def _job_over(self) -> p.Error | None:
+    def job_over(self) -> p.Error | None:
+        """The error every request gets once the job has ended; None while it runs."""
         if self.cluster.job is m.JobState.RUNNING:
             return None
         why = self.cluster.root_cause or "all workers finished"
@@ -274,29 +283,29 @@ class Scheduler(RendezvousRequests, AgentRequests):
                                 quarantine_s=self.cfg.quarantine_s)
         if self.elastic and self.elastic.regrow(c, node.node_id):
             self.events.emit("generation_bumped", generation=c.generation, by=node.node_id, reason="elastic_regrow")
-        self._persist(node.node_id, *([d.replaces] if d.replaces else []))
+        self.persist(node.node_id, *([d.replaces] if d.replaces else []))
         quiet = c.worker_num > QUIET_REGISTRATIONS and node.incarnation == 1  # events.jsonl has every one
         log.log(logging.DEBUG if quiet else logging.INFO, "registered %s as incarnation %d (pid %d on %s)%s",
                 node.node_id, node.incarnation, req.pid, req.host, f", replacing {d.replaces}" if d.replaces else "")
         self.events.emit("registered", node=node.node_id, rank=node.rank, incarnation=node.incarnation,
                           pid=req.pid, host=req.host, generation=c.generation)
-        self._notify()
+        self.notify()
         return p.Registered(node_id=node.node_id, rank=node.rank, incarnation=node.incarnation,
                             generation=c.generation, worker_num=c.worker_num)
 
     def _on_reattach(self, req: p.Reattach):
-        node = self._current(req.node_id, req.incarnation)
+        node = self.current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node
         node.state, node.last_seen, node.pid = m.NodeState.ALIVE, time.monotonic(), req.pid
         log.info("%s reattached (incarnation %d)", node.node_id, node.incarnation)
         self.events.emit("reattached", node=node.node_id, generation=self.cluster.generation)
-        self._notify()
+        self.notify()
         return p.Registered(node_id=node.node_id, rank=node.rank, incarnation=node.incarnation,
                             generation=self.cluster.generation, worker_num=self.cluster.worker_num)
 
     def _on_heartbeat(self, req: p.Heartbeat, conn: SchedulerConnection):
-        node = self._current(req.node_id, req.incarnation)
+        node = self.current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node  # else _current has marked it alive, seen now
         self.view.heartbeat(node.node_id, req.step, node.last_seen)
@@ -314,14 +323,14 @@ class Scheduler(RendezvousRequests, AgentRequests):
             return
         before = c.generation
         m.apply_failure(c, node_id, d, time.monotonic())
-        self._persist(node_id)
+        self.persist(node_id)
         log.warning("%s", for_log(d.reason))
         self.events.emit("failure_detected", node=node_id, rank=node.rank if node else -1, kind=kind.value,
                           detail=detail[-500:], generation=before, next_generation=c.generation)
-        self._notify()
+        self.notify()
 
     def _on_report_failure(self, req: p.ReportFailure):
-        node = self._current(req.node_id, req.incarnation)
+        node = self.current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node
         if req.kind is p.FailureKind.COLLECTIVE and req.generation != self.cluster.generation:
@@ -341,7 +350,7 @@ class Scheduler(RendezvousRequests, AgentRequests):
         return p.Ok()
 
     def _on_finish(self, req: p.Finish):
-        node = self._current(req.node_id, req.incarnation)
+        node = self.current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return p.Ok() if node.code is p.ErrorCode.FENCED else node
         if not req.ok:
@@ -350,9 +359,9 @@ class Scheduler(RendezvousRequests, AgentRequests):
         m.apply_finish(self.cluster, req.node_id, req.stopped, req.detail)
         if self.elastic:
             self.elastic.job_over(self.cluster)
-        self._persist(req.node_id)
+        self.persist(req.node_id)
         self.events.emit("stopped" if req.stopped else "finished", node=req.node_id, rank=node.rank)
-        self._notify()
+        self.notify()
         return p.Ok()
 
     def _on_status(self, req: p.Status):
