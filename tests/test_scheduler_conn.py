@@ -91,14 +91,14 @@ def test_a_peer_that_never_reads_its_replies_is_stopped_not_buffered(scheduler):
 
     sender = threading.Thread(target=send)
     sender.start()
-    time.sleep(2)
+    sender.join(300)  # the hog's send blocked for 3 s: the scheduler stopped reading it (a hang guard only)
+    assert not sender.is_alive() and sent[0] < len(flood), f"the scheduler read all {sent[0]} bytes"
     other = connect(sched.port)
     t = time.monotonic()
     other.sendall(status)
     assert isinstance(p.decode_reply(p.read_frame(other)), p.StatusReply)
-    assert time.monotonic() - t < 5, "a peer that reads nothing held up another client"
+    assert time.monotonic() - t < 30, "a peer that reads nothing held up another client"  # loose: a hang guard
     grew = rss_mb(sched.proc.pid) - before
-    sender.join(10)
     assert grew < 20, f"the scheduler grew by {grew:.0f} MB buffering replies nobody reads"
     reply_size = len(p.read_frame(hog)) + p.HEADER.size  # the hog reads: its replies come, in order
     assert reply_size > 10 * len(status) and isinstance(p.decode_reply(p.read_frame(hog)), p.StatusReply)
