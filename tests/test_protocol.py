@@ -99,6 +99,10 @@ def test_a_decision_and_a_report_come_back_as_their_own_types_and_a_sources_kind
     ({"purpose": "restore", "step": 1, "sources": [{"kind": "elsewhere"}]}, "decision.restore.sources.0.kind"),
     ({"purpose": "finish", "ok": True, "steps": [1], "extra": 1}, "decision.finish.extra"),
     ({"purpose": "vote", "ok": True}, "decision"),
+    ({"purpose": "restore", "step": None, "sources": []}, "decision.restore"),  # neither a step nor an error
+    ({"purpose": "restore", "step": 3, "sources": [{"kind": "peer"}]}, "decision.restore.sources.0"),  # from whom?
+    ({"purpose": "restore", "step": 3, "sources": [{"kind": "peer", "peer": 5}]}, "decision.restore"),
+    ({"purpose": "restore", "step": 3, "sources": [{"kind": "self", "peer": 0}]}, "decision.restore.sources.0"),
     ({"step": 1, "sources": []}, "decision"),
 ])
 def test_a_decision_of_an_unknown_shape_is_refused_naming_the_field(decision, where):

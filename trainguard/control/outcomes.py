@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..config import MAX_WORKER_NUM
 from .msgbase import Int64, Msg, NodeRank, Step, Text
@@ -38,6 +38,12 @@ class Source(Msg):
     peer: NodeRank | None = None  # the sender, for PEER
     origin: CopyKind | None = None  # what the sender sends from, for PEER in a sharded job
 
+    @model_validator(mode="after")
+    def _peer_only_for_peer(self):
+        if (self.kind is SourceKind.PEER) != (self.peer is not None) or (self.origin and self.peer is None):
+            raise ValueError("a peer (and what it sends from) is named for a PEER source, and only for one")
+        return self
+
     def words(self) -> str:
         """How a log line says where the state came from."""
         if self.kind is SourceKind.PEER:
@@ -59,6 +65,14 @@ class RestoreDecision(Msg):
     from_step: Step | None = None
     sources: list[Source] = Field(default_factory=list, max_length=MAX_WORKER_NUM)
     error: Text | None = None
+
+    @model_validator(mode="after")
+    def _a_step_or_an_error(self):
+        if (self.step is None) != (self.error is not None) or (self.error is not None and self.sources):
+            raise ValueError("a restore decision names a step and every rank's source, or an error and no source")
+        if any(s.peer is not None and s.peer >= len(self.sources) for s in self.sources):
+            raise ValueError("a source names a peer outside the ranks of the decision")
+        return self
 
     @property
     def lost_steps(self) -> int:
