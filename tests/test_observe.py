@@ -67,7 +67,8 @@ def test_status_metrics_report_and_plot_of_a_job_with_one_kill(tmp_path):
         [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--recovery-path", str(rec),
          "--metrics-port", str(port), str(JOB), "--out", str(tmp_path / "final"), "--level", "high",
          "--epochs", "12", "--step-sleep", "0.1", "--progress", "on", "--ckpt", str(tmp_path / "ckpt"),
-         "--save-steps", "40"], env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+         "--save-steps", "40", "--hold-until", str(tmp_path / "release")], env=env(), stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)  # the job waits after its last step until released
 
     def status() -> dict | None:
         proc = cli("status", str(rec), "--json", timeout=30)
@@ -111,6 +112,7 @@ def test_status_metrics_report_and_plot_of_a_job_with_one_kill(tmp_path):
         assert sum(v for k, v in metrics.items() if k.startswith("trainguard_recoveries_total")) == 1
         assert all("strategy=recover-in-place" in k for k in metrics if k.startswith("trainguard_recoveries_total"))
         assert metrics["trainguard_recovery_seconds_count{phase=total}"] == 1
+        (tmp_path / "release").touch()
         assert job.wait(timeout=120) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     finally:
         if job.poll() is None:

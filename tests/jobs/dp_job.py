@@ -29,6 +29,8 @@ parser.add_argument("--dying-gasp", choices=["none", "config", "callback"], defa
                     help="config: CheckpointConfig(exception_save=True); callback: also an ExceptionCheckpoint")
 parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto", help="Model.train's progress bar")
 parser.add_argument("--retriable-at", default="", help="RANK:STEP: raise tg.Retriable once inside that step")
+parser.add_argument("--hold-until", default="", help="after training, wait (at most 300 s) until this file exists: "
+                    "a test reads the running job (status, metrics) and then lets it end")
 args = parser.parse_args()
 
 # --- cluster and per-rank randomness ---------------------------------------------
@@ -101,6 +103,11 @@ else:
     session = model.train(args.epochs, dataset, callbacks=callbacks, batch_size=16, seed=1,
                           progress={"auto": None, "on": True, "off": False}[args.progress])
     steps_done = session.step
+
+if args.hold_until:
+    deadline = time.monotonic() + 300
+    while not Path(args.hold_until).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 # --- the final state of this rank ------------------------------------------------------------
 out = Path(args.out)

@@ -31,6 +31,7 @@ from .tlsstream import TLSSession
 log = logging.getLogger("trainguard.scheduler")
 
 READ_LIMIT = 64 * 1024  # unread bytes held while a request is in flight; past it, reading pauses
+FRAMES_PER_TURN = 64  # requests one connection has answered in a row before the loop serves the others
 HANDLER_BUGS = (ValueError, TypeError, KeyError, OverflowError, ArithmeticError)  # a bug or a hostile value: answered
 
 
@@ -76,6 +77,7 @@ class SchedulerConnection(asyncio.Protocol):
         self._busy = False  # a request is being handled, or its reply waits for its save
         self._write_paused = False  # the transport's buffer is full: no new request until it drains
         self._read_paused = False
+        self._turn_waits = False  # it answered FRAMES_PER_TURN in a row: the rest waits for its next turn
         self._opened = False
         self._closed_by_owner = False
 
@@ -189,9 +191,18 @@ class SchedulerConnection(asyncio.Protocol):
     # --- frames ------------------------------------------------------------------------------------------
 
     def _process(self) -> None:
-        """Handle what the buffer holds, in order, while nothing is in flight."""
+        """Handle what the buffer holds, in order, while nothing is in flight; after FRAMES_PER_TURN requests
+        the rest waits for the loop's next pass, so a peer that pipelines a flood never holds up the others
+        (their handshakes, their requests)."""
+        if self._turn_waits:
+            return
         buf = self._buf
+        served = 0
         while not self._busy and not self._write_paused:
+            if served >= FRAMES_PER_TURN and len(buf) >= p.HEADER.size:
+                self._turn_waits = True
+                asyncio.get_running_loop().call_soon(self._next_turn)
+                break
             if self.stage is Stage.CHALLENGE:
                 if len(buf) < auth.ANSWER_SIZE:
                     break
@@ -222,7 +233,13 @@ class SchedulerConnection(asyncio.Protocol):
                 self._drop(str(exc))
                 return
             self._dispatch(req)
+            served += 1
         self._regulate_reading()
+
+    def _next_turn(self) -> None:
+        self._turn_waits = False
+        if self.stage is not Stage.CLOSED:
+            self._process()
 
     def _dispatch(self, req: p.Msg) -> None:
         self._busy = True
@@ -300,7 +317,7 @@ class SchedulerConnection(asyncio.Protocol):
     def _regulate_reading(self) -> None:
         if self.stage is Stage.CLOSED:
             return
-        hold = len(self._buf) > READ_LIMIT and (self._busy or self._write_paused)
+        hold = len(self._buf) > READ_LIMIT and (self._busy or self._write_paused or self._turn_waits)
         if hold != self._read_paused:
             self._read_paused = hold
             (self._transport.pause_reading if hold else self._transport.resume_reading)()
