@@ -6,6 +6,7 @@ different final weights. At the end each rank writes its whole state to OUT/rank
 """
 
 import argparse
+import os
 import random
 import time
 from pathlib import Path
@@ -31,7 +32,16 @@ parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
 parser.add_argument("--retriable-at", default="", help="RANK:STEP: raise tg.Retriable once inside that step")
 parser.add_argument("--hold-until", default="", help="after training, wait (at most 300 s) until this file exists: "
                     "a test reads the running job (status, metrics) and then lets it end")
+parser.add_argument("--restart-delay", type=float, default=0.0,
+                    help="a restarted worker waits this long before it joins: a cold restart slower than an elastic "
+                         "deadline, whatever the machine (the zygote makes a real one fast)")
 args = parser.parse_args()
+if args.restart_delay:
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    mark = Path(args.out) / f".started_{os.environ['TG_NODE_ID']}"
+    if mark.exists():
+        time.sleep(args.restart_delay)
+    mark.touch()
 
 # --- cluster and per-rank randomness ---------------------------------------------
 tg.init()

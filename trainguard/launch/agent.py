@@ -18,7 +18,6 @@ import contextlib
 import os
 import queue
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,11 +25,12 @@ from typing import Mapping, Sequence, TextIO
 
 from .. import signals
 from ..config import BEAT_SOCKET_ENV, Role
-from ..control.client import report_exit
-from ..errors import ConfigError, TrainguardError
+from ..errors import ConfigError
 from ..obs.events import EventLog, format_recovery, summarize_recovery
 from . import relay
 from .children import Child, signal_alive, wait_exits
+from .exitreport import report_death
+from .forked import Process, ZygoteLink, room_for, start_process
 from .policy import (
     Action,
     Decision,
@@ -43,6 +43,7 @@ from .policy import (
     scheduler_env,
     signal_name,
     signalled_exit,
+    spare_cmd,
     spare_env,
     worker_cmd,
     worker_env,
@@ -51,7 +52,6 @@ from .relocate import Relocation
 from .spare_pool import SparePool, activate
 
 POLL_INTERVAL_S = 0.02
-REPORT_TIMEOUT_S = 1.0  # a report delays the restart; keep it short
 PUMP_DRAIN_S = 0.25  # time to read the rest of a dead child's stderr
 
 
@@ -85,17 +85,20 @@ class Supervisor(Relocation):
         for i in range(spec.nproc_per_node):
             self.children.append(Child(Role.WORKER, i, str(spec.node_rank * spec.nproc_per_node + i), worker_cmd(spec),
                                        worker_env(base, spec, i)))
+        self.zygote: ZygoteLink | None = None  # started in run(): workers and spares fork from it (zygote.py)
+        self._zygote_env = spare_env(base, spec)
         self.spares: SparePool | None = None
         if spec.uses_hot_spares:
-            self.spares = SparePool(spec.script, spare_env(base, spec), spec.hot_spares, say=self._say,
-                                    events=spec.events_path and EventLog(spec.events_path), agent=spec.node_rank)
+            self.spares = SparePool(spec.script, self._zygote_env, spec.hot_spares, say=self._say,
+                                    events=spec.events_path and EventLog(spec.events_path), agent=spec.node_rank,
+                                    start=self._start_process)
         self.restarts_used = 0
         self.root: Failure | None = None
         self.preempted = False  # a worker exited 75: the job is stopping gracefully, nothing is restarted
         self.fault_stops: list[Failure] = []  # workers that left (76) because the job stops after a fault
         self._signals: list[int] = []
         self._lock = threading.Lock()
-        self._exits: queue.Queue[tuple[Child, subprocess.Popen, int]] = queue.Queue()
+        self._exits: queue.Queue[tuple[Child, Process, int]] = queue.Queue()
         self._placing = threading.Lock()  # recover: what runs here, as the sync thread reports it
         self._handled: list[int] = []  # recover: the placement orders carried out here
         self.link = None  # recover: relocate.PlacementLink, started in run()
@@ -127,6 +130,9 @@ class Supervisor(Relocation):
             if self.relay is not None:
                 self.relay.start()
                 self._say("relaying this host's heartbeats to the scheduler as one per interval (TG_HEARTBEAT_RELAY)")
+            if spec.zygote:
+                self.zygote = ZygoteLink(spec.script, spec.script_args, self._zygote_env, say=self._say, err=self.err,
+                                         lock=self._lock, room=room_for(worker_cmd(spec), spare_cmd(spec.script, 0)))
             for child in self.children:  # the scheduler first
                 self._start(child)
             if self.spares is not None:  # after the workers: they need the CPU first
@@ -143,6 +149,8 @@ class Supervisor(Relocation):
                 self.relay.close()
             self._close_spares()
             self._kill(self.children)
+            if self.zygote is not None:
+                self.zygote.close()
             signals.restore(previous)
             for child in self.children:
                 if child.log is not None:
@@ -286,11 +294,11 @@ class Supervisor(Relocation):
     # --- processes -------------------------------------------------------------------
 
     def _start(self, child: Child) -> None:
-        """A fresh process for the child."""
-        popen = subprocess.Popen(child.cmd, env=child.env, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 start_new_session=True)  # signals reach it only via the agent
-        self._attach(child, popen)
+        """A new process for the child: a worker forked from the zygote where it can be, else a fresh one."""
+        self._attach(child, self._start_process(child.cmd, child.env))
+
+    def _start_process(self, cmd: Sequence[str], env: dict[str, str], **kwargs) -> Process:
+        return start_process(self.zygote, cmd, env, **kwargs)
 
     def _restart(self, child: Child, budget: str | None = None) -> None:
         """A worker from a hot spare when one is alive, else (and always for the scheduler) a fresh process."""
@@ -314,7 +322,7 @@ class Supervisor(Relocation):
         self._say(f"restarting {child.name} ({budget})")
         self._start(child)
 
-    def _attach(self, child: Child, popen: subprocess.Popen) -> None:
+    def _attach(self, child: Child, popen: Process) -> None:
         """Make `popen` the child's process: prefix pumps, tail, log file, exit watcher."""
         if self.spec.log_dir is not None and child.log is None:
             stem = "scheduler" if child.role is Role.SCHEDULER else f"worker_{child.node_id}"
@@ -356,29 +364,8 @@ class Supervisor(Relocation):
     # --- reporting -------------------------------------------------------------------
 
     def _report(self, child: Child, failure: Failure, *, final: bool = False, why: str = "") -> str:
-        """Tell the scheduler about a dead worker right away (best effort); `final`: it is not replaced,
-        so the scheduler ends the job with this root cause and the survivors leave. Returns why the
-        worker needs no replacement (it had finished, or the job is over), else ""."""
-        sched = self.scheduler
-        if sched is not None and sched.done:
-            return "the job had ended (the scheduler exited 0)"
-        if sched is not None and not sched.alive():
-            return ""
-        rc = failure.returncode
-        code, sig = (None, -rc) if rc < 0 else (rc, None)
-        address = (self.spec.sched_host, self.spec.sched_port)
-        try:
-            ok, over = report_exit(address, child.node_id or "", failure.pid, code, sig,
-                                   "\n".join(([why] if why else []) + list(failure.tail))[-16000:],
-                                   timeout=REPORT_TIMEOUT_S, final=final, secret=self.spec.secret)
-        except (OSError, TrainguardError) as exc:  # a failed report must never block the restart
-            self._say(f"reporting the exit of {child.name} failed: {exc!r}")
-            return ""
-        if not ok:
-            self._say(f"scheduler at {address[0]}:{address[1]} did not take the exit report of {child.name}")
-            if sched is not None and sched.popen is not None and sched.popen.poll() == 0:
-                return "the job had ended (the scheduler exited 0)"  # it was leaving as the worker died
-        return over
+        """Tell the scheduler about a dead worker at once (exitreport.py); why it needs no replacement, or ""."""
+        return report_death(self.spec, self.scheduler, child, failure, self._say, final=final, why=why)
 
     def _print_recoveries(self) -> None:
         """One line per recovery of this job that resumed training, with its MTTR and lost steps (from

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--hot-spares", "--hot_spares", dest="hot_spares", type=int,
                      help="warm processes (torch already imported) kept to replace a dead worker in well "
                           "under a second; 0 turns them off (default 1 with restarts on, else 0)")
+    run.add_argument("--no-zygote", dest="no_zygote", action="store_true", default=None,
+                     help="start every worker and spare as a fresh interpreter, not forked from one warm process "
+                          "that imported torch once (for a library that breaks in a forked process)")
     run.add_argument("--recovery-path", dest="recovery_path", type=Path,
                      help="directory for cluster.db and events (default TG_RECOVERY_PATH, else a new temp dir)")
     run.add_argument("--log-dir", "--log_dir", dest="log_dir", type=Path,
@@ -241,7 +244,7 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
         write_secret(recovery, secret)  # for the same user's tools (trainguard chaos)
     terminal = os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else None  # rank 0's progress bar draws there
     return replace(spec, sched_host=host, sched_port=port, recovery_path=recovery, log_dir=args.log_dir,
-                   secret=secret, terminal=terminal, ssl_config=ssl_config)
+                   secret=secret, terminal=terminal, ssl_config=ssl_config, zygote=not args.no_zygote)
 
 
 def check_tls(env: Mapping[str, str], hosts_scheduler: bool) -> None:

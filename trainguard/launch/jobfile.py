@@ -55,7 +55,7 @@ from ..strategies import (
 from .budget import DEFAULT_MAX_RESTARTS
 
 # the defaults of `trainguard run` flags that a job file may set (argparse leaves them None)
-RUN_DEFAULTS = {"workers": 1, "nnodes": 1, "node_rank": 0, "max_restarts": DEFAULT_MAX_RESTARTS}
+RUN_DEFAULTS = {"workers": 1, "nnodes": 1, "node_rank": 0, "max_restarts": DEFAULT_MAX_RESTARTS, "no_zygote": False}
 
 
 class JobFile(BaseModel):
@@ -72,6 +72,7 @@ class JobFile(BaseModel):
     restart_limit: int | None = Field(None, ge=1)  # a crash loop: restarts of one worker within restart_window
     restart_window: float | None = Field(None, gt=0)
     hot_spares: int | None = Field(None, ge=0)
+    no_zygote: bool | None = None
     recovery_path: Path | None = None
     log_dir: Path | None = None
     recover_strategy: str | None = None

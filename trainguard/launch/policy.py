@@ -252,6 +252,7 @@ class LaunchSpec:
     metrics_port: int | None = None  # --metrics-port: the scheduler serves Prometheus metrics (control/metrics.py)
     terminal: str | None = None  # the agent's terminal, if its stderr is one: workers' progress bars draw there
     ssl_config: Path | None = None  # --ssl-config: TLS (tlsconfig.py); set in this agent's env and its children's
+    zygote: bool = True  # workers and spares fork from one warm process (zygote.py); --no-zygote: fresh ones
 
     def __post_init__(self) -> None:
         if self.slots and self.slots < self.nproc_per_node:
@@ -308,6 +309,11 @@ class LaunchSpec:
 def worker_cmd(spec: LaunchSpec) -> list[str]:
     """A cold-started worker: the script under worker_main, which exits 78 on a deterministic error."""
     return [sys.executable, "-u", "-m", "trainguard.launch.worker_main", spec.script, *spec.script_args]
+
+
+def spare_cmd(script: str, ready_fd: int) -> list[str]:
+    """A hot spare (spare_main.py) that writes a byte to `ready_fd` once warm."""
+    return [sys.executable, "-u", "-m", "trainguard.launch.spare_main", "--ready-fd", str(ready_fd), script]
 
 
 def set_env(env: dict[str, str], names: str | tuple[str, ...], value: str | None) -> None:

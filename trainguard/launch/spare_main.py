@@ -59,16 +59,24 @@ def _is_local(module: str, script_dir: str) -> bool:
     return any(os.path.realpath(p) == script_dir for p in places)
 
 
-def preload(script: str, script_dir: str) -> tuple[list[str], list[str]]:
-    """Import what a worker will need; return (loaded, failures), failures as "module: error"."""
+def needs_worker_modules(imports: list[tuple[str, tuple[str, ...]]]) -> bool:
+    """Whether torch and trainguard's worker side are worth preloading: not for a script whose top-level
+    imports all come from Python's standard library (it would only pay for them)."""
+    return any(module.partition(".")[0] not in sys.stdlib_module_names for module, _ in imports)
+
+
+def preload(script: str, script_dir: str, *, lean: bool = False) -> tuple[list[str], list[str]]:
+    """Import what a worker will need; return (loaded, failures), failures as "module: error". `lean`: the
+    worker modules only if the script imports something from outside the standard library."""
     loaded: list[str] = []
     failures: list[str] = []
     try:
         with open(script, encoding="utf-8") as f:
-            wanted = [(m, ()) for m in WORKER_MODULES] + top_level_imports(f.read())
+            imports = top_level_imports(f.read())
     except (OSError, SyntaxError, ValueError) as exc:  # the script reports this itself when it runs
         failures.append(f"{script}: {exc!r}")
-        wanted = [(m, ()) for m in WORKER_MODULES]
+        imports = []
+    wanted = ([(m, ()) for m in WORKER_MODULES] if not lean or needs_worker_modules(imports) else []) + imports
     for module, names in wanted:
         if module not in WORKER_MODULES and _is_local(module, script_dir):
             continue

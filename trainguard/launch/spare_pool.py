@@ -15,16 +15,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Mapping, Sequence
 
 from ..obs.events import EventLog
-from .policy import describe_exit
-
-SPARE_MODULE = "trainguard.launch.spare_main"
+from .forked import Process, start_process
+from .policy import describe_exit, spare_cmd
 MAX_IDLE_DEATHS = 3  # in a row, with no successful take() between them
 DISMISS_WAIT_S = 0.5  # a warm spare exits on EOF at once; one still importing is terminated
 KILL_WAIT_S = 2.0
@@ -33,13 +32,13 @@ REAP_WAIT_S = 5.0
 
 @dataclass(eq=False)
 class _Spare:
-    popen: subprocess.Popen
+    popen: Process
     ready_fd: int
     started: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)
 
 
-def activate(popen: subprocess.Popen, env: Mapping[str, str], argv: Sequence[str]) -> None:
+def activate(popen: Process, env: Mapping[str, str], argv: Sequence[str]) -> None:
     """Hand a taken spare its worker env and script args; OSError if it died meanwhile."""
     assert popen.stdin is not None
     try:
@@ -53,8 +52,10 @@ class SparePool:
     """Keeps `size` spares for `script` alive; `take()` hands one out and starts its successor."""
 
     def __init__(self, script: str, env: Mapping[str, str], size: int, *, say: Callable[[str], None],
-                 max_idle_deaths: int = MAX_IDLE_DEATHS, events: EventLog | None = None, agent: int = 0) -> None:
+                 max_idle_deaths: int = MAX_IDLE_DEATHS, events: EventLog | None = None, agent: int = 0,
+                 start: Callable[..., Process] = partial(start_process, None)) -> None:
         self.script, self.env, self.size = os.path.abspath(script), dict(env), size
+        self._start = start  # the agent's: forked from its zygote where it can be (forked.py)
         self._say, self._max_deaths = say, max_idle_deaths
         self._events, self._agent = events or EventLog.null(), agent  # `spares` events: ready count per agent
         self._lock = threading.Condition()
@@ -87,7 +88,7 @@ class SparePool:
         with self._lock:
             return self._lock.wait_for(lambda: any(s.ready.is_set() for s in self._idle), timeout)
 
-    def take(self, *, replace: bool = True) -> subprocess.Popen | None:
+    def take(self, *, replace: bool = True) -> Process | None:
         """A live spare (warm ones first) or None; a successor starts in the background."""
         with self._lock:
             if self.closed or self.disabled:
@@ -121,7 +122,7 @@ class SparePool:
             self._busy += 1
         error = None
         try:
-            spare = _popen(self.script, self.env)
+            spare = _popen(self._start, self.script, self.env)
             with self._lock:
                 keep = not (self.closed or self.disabled)
                 if keep:
@@ -200,13 +201,10 @@ class SparePool:
             self._done()
 
 
-def _popen(script: str, env: Mapping[str, str]) -> _Spare:
+def _popen(start: Callable[..., Process], script: str, env: Mapping[str, str]) -> _Spare:
     read_fd, write_fd = os.pipe()
     try:
-        popen = subprocess.Popen(
-            [sys.executable, "-u", "-m", SPARE_MODULE, "--ready-fd", str(write_fd), script],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(write_fd,), start_new_session=True)  # signals reach it only via the agent
+        popen = start(spare_cmd(script, write_fd), dict(env), stdin_pipe=True, pass_fds=(write_fd,))
     except OSError:
         os.close(read_fd)
         raise
@@ -215,7 +213,7 @@ def _popen(script: str, env: Mapping[str, str]) -> _Spare:
     return _Spare(popen, read_fd)
 
 
-def _last_line(popen: subprocess.Popen) -> str:
+def _last_line(popen: Process) -> str:
     """The last line a dead spare wrote to stderr (its pipe is never read while it is idle)."""
     if popen.stderr is None:
         return ""
