@@ -5,7 +5,8 @@ rank runs the script again in its process, its committed state kept; `--no-train
 MTTR runs from the kill itself (the `fault_injected` event the dying worker writes just before
 SIGKILLing itself) to the first training step finished after the recovery. Each configuration
 runs `--runs` times; the figures are medians. With hot spares (the default) the replacement has
-already imported torch; without them it is a cold Python process.
+already imported torch and waits; without them it is forked from the agent's zygote, which has imported
+torch too; with neither (`--no-zygote`) it is a cold Python process.
 
     python bench/recovery.py [--runs 5] [--kill-step 60] [--no-trainer]
 """
@@ -28,11 +29,11 @@ DIGITS = ("2", ["examples/digits.py", "--epochs", "4"])
 TRAINER = ("3", ["examples/trainer.py", "--epochs", "2", "--snapshot", "{tmp}/snapshot.pt"])
 
 
-def one_run(spares: int, kill_step: int, job=DIGITS) -> dict:
+def one_run(spares: int, kill_step: int, job=DIGITS, flags=()) -> dict:
     workers, script = job
     with tempfile.TemporaryDirectory(prefix="tg-bench-") as tmp:
         cmd = [sys.executable, "-m", "trainguard", "run", "--workers", workers, "--hot-spares", str(spares),
-               "--recovery-path", tmp, *(a.format(tmp=tmp) for a in script)]
+               *flags, "--recovery-path", tmp, *(a.format(tmp=tmp) for a in script)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TG_FAULT": f"1:{kill_step}:kill"}
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
@@ -48,11 +49,12 @@ def main() -> None:
     parser.add_argument("--no-trainer", action="store_true", help="skip examples/trainer.py")
     args = parser.parse_args()
     results = {}
-    runs = [(1, "hot spare", DIGITS, args.kill_step), (0, "cold process", DIGITS, args.kill_step)]
+    runs = [(1, "hot spare", DIGITS, args.kill_step, ()), (0, "forked from the zygote", DIGITS, args.kill_step, ()),
+            (0, "cold process", DIGITS, args.kill_step, ("--no-zygote",))]
     if not args.no_trainer:  # step 17 of 24: in the middle of epoch 1's training
-        runs.append((1, "examples/trainer.py, 3 workers, hot spare", TRAINER, 17))
-    for spares, label, job, kill_step in runs:
-        recs = [one_run(spares, kill_step, job) for _ in range(args.runs)]
+        runs.append((1, "examples/trainer.py, 3 workers, hot spare", TRAINER, 17, ()))
+    for spares, label, job, kill_step, flags in runs:
+        recs = [one_run(spares, kill_step, job, flags) for _ in range(args.runs)]
         mttr = [r["mttr_s"] for r in recs]
         lost = [r["lost_steps"] for r in recs]
         detect = [r["detect_s"] for r in recs]
@@ -61,8 +63,8 @@ def main() -> None:
     for label, (mttr, lost, detect) in results.items():
         print(f"kill -9 of one worker, {label}, median of {args.runs}: MTTR {mttr:.3f} s "
               f"(detected after {1000 * detect:.0f} ms), lost steps {lost}")
-    hot, cold = results["hot spare"][0], results["cold process"][0]
-    print(f"hot spare vs cold process: {cold / hot:.1f}x faster")
+    hot, forked, cold = (results[k][0] for k in ("hot spare", "forked from the zygote", "cold process"))
+    print(f"hot spare vs cold process: {cold / hot:.1f}x faster; forked vs cold process: {cold / forked:.1f}x faster")
 
 
 if __name__ == "__main__":

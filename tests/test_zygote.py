@@ -72,7 +72,8 @@ def test_a_command_line_is_cut_to_its_room_and_ends_in_nul() -> None:
 def test_a_stdlib_only_script_does_not_preload_torch() -> None:
     assert not needs_worker_modules(top_level_imports("import os, sys\nfrom time import sleep\n"))
     assert needs_worker_modules(top_level_imports("import os\nimport torch.nn as nn\n"))
-    assert needs_worker_modules(top_level_imports("from mypkg.models import Net\n"))
+    assert needs_worker_modules(top_level_imports("from trainguard.train import model\n"))
+    assert not needs_worker_modules(top_level_imports("import os\nimport no_such_module_tg\n"))  # it only fails
 
 
 @pytest.mark.parametrize("change, why", [

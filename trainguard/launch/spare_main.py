@@ -61,8 +61,16 @@ def _is_local(module: str, script_dir: str) -> bool:
 
 def needs_worker_modules(imports: list[tuple[str, tuple[str, ...]]]) -> bool:
     """Whether torch and trainguard's worker side are worth preloading: not for a script whose top-level
-    imports all come from Python's standard library (it would only pay for them)."""
-    return any(module.partition(".")[0] not in sys.stdlib_module_names for module, _ in imports)
+    imports all come from Python's standard library or cannot be found (it would only pay for them)."""
+    return any(top not in sys.stdlib_module_names and _findable(top)
+               for top in {module.partition(".")[0] for module, _ in imports})
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def preload(script: str, script_dir: str, *, lean: bool = False) -> tuple[list[str], list[str]]:

@@ -4,7 +4,8 @@
 
 A fresh worker pays several seconds of CPU before the script's first line: torch, torch.distributed,
 the torch._dynamo that the first optimizer imports, trainguard's worker side, the script's own
-third-party imports. The zygote pays that once (spare_main.preload), then forks, in about 30 ms,
+third-party imports. The zygote pays that once (spare_main.preload; none of torch for a script whose
+top-level imports are all from the standard library), then forks, in about 30 ms,
 a process that is what `python -u -m MODULE ARGV` would be (MODULE: worker_main or spare_main only):
 its own session, the stdin, stdout, stderr and descriptors the agent sent, the agent's environment for
 it, and that command line in `ps` (proctitle.py). On a shared host this is most of a job's start-up and
