@@ -40,6 +40,8 @@ FAST_TESTS = (  # module::test name (a prefix: every parametrisation)
     "test_elastic::test_phase_padding_and_drop_last",
     "test_spares::test_pool_",
     "test_spares::test_hot_spares_flag_and_env",
+    "test_zygote::test_a_",
+    "test_zygote::test_an_order_must_bring_its_descriptors",
 )
 
 

@@ -187,7 +187,7 @@ def test_an_import_that_starts_a_thread_makes_the_zygote_step_aside(tmp_path: Pa
     link, said = _link(tmp_path, script, env)
     try:
         assert not link.wait_ready(60)
-        assert any("forking is not safe: a preloaded import started threads (busy)" in line for line in said.lines)
+        assert link.why == "forking is not safe: a preloaded import started threads (busy)"
         proc = start_process(link, [sys.executable, "-u", "-m", WORKER, str(script)], env)
         assert isinstance(proc, subprocess.Popen)
         out, _ = proc.communicate(timeout=60)

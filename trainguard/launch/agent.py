@@ -30,7 +30,7 @@ from ..obs.events import EventLog, format_recovery, summarize_recovery
 from . import relay
 from .children import Child, signal_alive, wait_exits
 from .exitreport import report_death
-from .forked import Process, ZygoteLink, room_for, start_process
+from .forked import Process, ZygoteLink, room_for, start_process, start_zygote
 from .policy import (
     Action,
     Decision,
@@ -131,8 +131,9 @@ class Supervisor(Relocation):
                 self.relay.start()
                 self._say("relaying this host's heartbeats to the scheduler as one per interval (TG_HEARTBEAT_RELAY)")
             if spec.zygote:
-                self.zygote = ZygoteLink(spec.script, spec.script_args, self._zygote_env, say=self._say, err=self.err,
-                                         lock=self._lock, room=room_for(worker_cmd(spec), spare_cmd(spec.script, 0)))
+                self.zygote = start_zygote(spec.script, spec.script_args, self._zygote_env, say=self._say,
+                                           err=self.err, lock=self._lock,
+                                           room=room_for(worker_cmd(spec), spare_cmd(spec.script, 0)))
             for child in self.children:  # the scheduler first
                 self._start(child)
             if self.spares is not None:  # after the workers: they need the CPU first
@@ -298,7 +299,7 @@ class Supervisor(Relocation):
         self._attach(child, self._start_process(child.cmd, child.env))
 
     def _start_process(self, cmd: Sequence[str], env: dict[str, str], **kwargs) -> Process:
-        return start_process(self.zygote, cmd, env, **kwargs)
+        return start_process(self.zygote, cmd, env, give_up=lambda: bool(self._signals), **kwargs)
 
     def _restart(self, child: Child, budget: str | None = None) -> None:
         """A worker from a hot spare when one is alive, else (and always for the scheduler) a fresh process."""

@@ -68,6 +68,11 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def close_pipes(self) -> None:
+        for stream in (self.stdin, self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+
 
 Process = Union[subprocess.Popen, ForkedProcess]
 
@@ -102,47 +107,46 @@ class ZygoteLink:
                          name="tg-zygote-err", daemon=True).start()
         threading.Thread(target=self._read, name="tg-zygote", daemon=True).start()
 
-    def wait_ready(self, timeout: float = READY_WAIT_S) -> bool:
+    def wait_ready(self, timeout: float = READY_WAIT_S, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """True once the zygote can fork; False if it cannot, or after `timeout`, or once `give_up()`."""
+        deadline = time.monotonic() + timeout
         with self._cond:
-            self._cond.wait_for(lambda: self.state != "starting", timeout)
-            late = self.state == "starting"
+            while self.state == "starting" and time.monotonic() < deadline and not give_up():
+                self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            late = self.state == "starting" and time.monotonic() >= deadline
         if late:
             self._gone(f"not ready after {timeout:g} s")
         return self.state == "ready"
 
     def spawn(self, module: str, argv: list[str], env: dict[str, str], *, stdin_pipe: bool,
-              pass_fds: Sequence[int] = ()) -> ForkedProcess | None:
+              pass_fds: Sequence[int] = (), give_up: Callable[[], bool] = lambda: False) -> ForkedProcess | None:
         """A forked `python -u -m module argv...` with pipes for stdout and stderr (and stdin if asked, else
-        /dev/null) and `pass_fds` at the same numbers; None if the zygote cannot fork it."""
-        if module not in MAINS or not all(3 <= fd <= MAX_TARGET for fd in pass_fds) or not self.wait_ready():
+        /dev/null) and `pass_fds` at the same numbers; None if the zygote cannot fork it (not ready before
+        `give_up()`, refused, gone): the caller then starts a fresh process."""
+        if module not in MAINS or not all(3 <= fd <= MAX_TARGET for fd in pass_fds) \
+                or not self.wait_ready(give_up=give_up):
             return None
-        ends: list[int] = []  # the child's ends, sent and then closed here
-        mine: list[int] = []
         try:
-            if stdin_pipe:
-                r, w = os.pipe()
-                ends.append(r)
-                mine.append(w)
-            else:
-                ends.append(os.open(os.devnull, os.O_RDONLY))
-            for _ in range(2):
-                r, w = os.pipe()
-                ends.append(w)
-                mine.append(r)
-            stdin = os.fdopen(mine[0], "wb") if stdin_pipe else None
-            stdout, stderr = (os.fdopen(fd, "rb") for fd in mine[-2:])
-            proc = ForkedProcess([sys.executable, "-u", "-m", module, *argv], stdin, stdout, stderr)
-            with self._cond:
-                req = self._next_id
-                self._next_id += 1
-                self._pending[req] = proc
-            order = {"op": "fork", "id": req, "main": module, "argv": argv, "env": env, "fds": list(pass_fds)}
+            ends, proc = _pipes([sys.executable, "-u", "-m", module, *argv], stdin_pipe)
+        except OSError as exc:  # out of descriptors: a fresh process will say so in its own words
+            self._say(f"no pipes for a forked {module} ({exc}); starting a fresh process")
+            return None
+        with self._cond:
+            req = self._next_id
+            self._next_id += 1
+            self._pending[req] = proc
+        order = {"op": "fork", "id": req, "main": module, "argv": argv, "env": env, "fds": list(pass_fds)}
+        try:
             with self._send_lock:
                 forkwire.send(self._sock, order, [*ends, *pass_fds])
-        except (OSError, ProtocolError) as exc:
-            for fd in mine:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        except ProtocolError as exc:  # nothing was sent (an environment over the bound)
+            self._pending.pop(req, None)
+            proc.close_pipes()
+            self._say(f"the zygote cannot fork {module} ({exc}); starting a fresh process")
+            return None
+        except OSError as exc:
+            self._pending.pop(req, None)
+            proc.close_pipes()
             self._gone(f"a fork order could not be sent: {exc}")
             return None
         finally:
@@ -154,9 +158,7 @@ class ZygoteLink:
             refused = self._pending.pop(req, None)
         if proc.pid:
             return proc
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        proc.close_pipes()
         why = refused if isinstance(refused, str) else self.why or f"no answer in {REPLY_WAIT_S:g} s"
         self._say(f"the zygote did not fork {module} ({why}); starting a fresh process")
         return None
@@ -234,23 +236,59 @@ class ZygoteLink:
         for proc in live:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.exited(-signal.SIGKILL)
         if self.popen.poll() is None and was != "ready":
             self.popen.kill()
         killed = f"; its {len(live)} live children were killed" if live else ""
         self._say(f"the zygote (pid {self.popen.pid}) is not used: {why}{killed}; fresh processes start instead")
+        for proc in live:  # said first: the agent's log gives the cause before it handles these exits
+            proc.exited(-signal.SIGKILL)
+
+
+def _pipes(args: list[str], stdin_pipe: bool) -> tuple[list[int], ForkedProcess]:
+    """The child's ends (stdin, stdout, stderr: to send, then close) and a ForkedProcess holding ours."""
+    ends: list[int] = []
+    mine: list[int] = []
+    try:
+        if stdin_pipe:
+            r, w = os.pipe()
+            ends.append(r)
+            mine.append(w)
+        else:
+            ends.append(os.open(os.devnull, os.O_RDONLY))
+        for _ in range(2):
+            r, w = os.pipe()
+            ends.append(w)
+            mine.append(r)
+    except OSError:
+        for fd in ends + mine:
+            os.close(fd)
+        raise
+    stdin = os.fdopen(mine[0], "wb") if stdin_pipe else None
+    stdout, stderr = (os.fdopen(fd, "rb") for fd in mine[-2:])
+    return ends, ForkedProcess(args, stdin, stdout, stderr)
 
 
 def start_process(zygote: ZygoteLink | None, cmd: Sequence[str], env: dict[str, str], *, stdin_pipe: bool = False,
-                  pass_fds: Sequence[int] = ()) -> Process:
-    """`cmd` forked from the zygote where it can, else started fresh; its own session, pipes for its output."""
+                  pass_fds: Sequence[int] = (), give_up: Callable[[], bool] = lambda: False) -> Process:
+    """`cmd` forked from the zygote where it can, else started fresh; its own session, pipes for its output.
+    `give_up()`: stop waiting for a zygote still importing (the agent got a signal)."""
     if zygote is not None and list(cmd[:3]) == [sys.executable, "-u", "-m"] and len(cmd) > 3:
-        proc = zygote.spawn(cmd[3], list(cmd[4:]), env, stdin_pipe=stdin_pipe, pass_fds=pass_fds)
+        proc = zygote.spawn(cmd[3], list(cmd[4:]), env, stdin_pipe=stdin_pipe, pass_fds=pass_fds, give_up=give_up)
         if proc is not None:
             return proc
     return subprocess.Popen(list(cmd), env=env, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=tuple(pass_fds),
                             start_new_session=True)  # signals reach it only via the agent
+
+
+def start_zygote(script: str, script_args: Sequence[str], env: dict[str, str], *, say: Callable[[str], None],
+                 err, lock: threading.Lock, room: int = 0) -> ZygoteLink | None:
+    """A zygote for `script`, or None (said) if its process cannot start: workers then start fresh."""
+    try:
+        return ZygoteLink(script, script_args, env, say=say, err=err, lock=lock, room=room)
+    except OSError as exc:
+        say(f"the zygote could not start ({exc}); workers start as fresh processes")
+        return None
 
 
 def room_for(*cmds: Sequence[str]) -> int:
