@@ -8,8 +8,10 @@ recover strategy replaces dead workers: in place, or under `recover` on another 
 deterministic error (exit 78, worker_main.py): that ends the job at once. It forwards SIGINT/SIGTERM/
 SIGUSR1 (workers first, scheduler last; the workers save a dying-gasp checkpoint within the grace period
 and exit 75, and so does the agent) and prefixes every line a child prints (children.py). A restarted
-worker is a warm hot spare when there is one (spare_pool.py). What to do about an exit is decided by the
-pure functions in policy.py; `Supervisor` carries the decisions out.
+worker is a warm hot spare when there is one (spare_pool.py); every worker and spare is forked from the
+agent's zygote, which imported torch once (zygote.py, forked.py), unless --no-zygote or it cannot be.
+What to do about an exit is decided by the pure functions in policy.py; `Supervisor` carries the
+decisions out.
 """
 
 from __future__ import annotations
@@ -302,7 +304,7 @@ class Supervisor(Relocation):
         return start_process(self.zygote, cmd, env, give_up=lambda: bool(self._signals), **kwargs)
 
     def _restart(self, child: Child, budget: str | None = None) -> None:
-        """A worker from a hot spare when one is alive, else (and always for the scheduler) a fresh process."""
+        """A worker from a hot spare when one is alive, else a new process (_start)."""
         budget = budget or f"restart {self.restarts_used}/{self.spec.max_restarts}"
         more = self.restarts_used < self.spec.max_restarts  # else no restart will need a successor
         spare = self.spares.take(replace=more) if self.spares and child.role is Role.WORKER else None

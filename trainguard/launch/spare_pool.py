@@ -1,4 +1,5 @@
-"""The agent's hot spares: warm `trainguard.launch.spare_main` processes that replace dead workers.
+"""The agent's hot spares: warm `trainguard.launch.spare_main` processes that replace dead workers
+(forked from the agent's zygote where it can be: forked.py).
 
 Each spare has its own session and three pipes: stdin (its activation order, or EOF to dismiss
 it), stdout and stderr (left unread until it becomes a worker), plus a readiness pipe on which
@@ -24,6 +25,7 @@ from typing import Callable, Mapping, Sequence
 from ..obs.events import EventLog
 from .forked import Process, start_process
 from .policy import describe_exit, spare_cmd
+
 MAX_IDLE_DEATHS = 3  # in a row, with no successful take() between them
 DISMISS_WAIT_S = 0.5  # a warm spare exits on EOF at once; one still importing is terminated
 KILL_WAIT_S = 2.0
