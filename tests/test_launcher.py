@@ -168,13 +168,17 @@ def _finish(proc: subprocess.Popen, timeout: float = 15.0) -> tuple[int, str, st
 @pytest.mark.timeout(20)
 def test_every_line_is_prefixed_and_env_is_set(tmp_path: Path) -> None:
     script = _script(tmp_path, """
-        import os, sys
+        import os, sys, time
+        while not os.path.exists("scheduler_up"):  # the job ends once the workers do: let the scheduler speak first
+            time.sleep(0.05)
         print("hello", os.environ["TG_NODE_ID"], os.environ["TG_LOCAL_RANK"], os.environ["TG_WORKER_NUM"],
               os.environ["TG_ROLE"], os.environ["OMP_NUM_THREADS"], sys.argv[1:])
         print("second line")
         print("to stderr", file=sys.stderr)
     """)
-    rc, out, err = _finish(_agent(tmp_path, script, script_args=["--lr", "0.1"], log_dir=str(tmp_path / "logs")))
+    scheduler = "import pathlib, time; print('scheduler up', flush=True); pathlib.Path('scheduler_up').touch(); time.sleep(60)"
+    rc, out, err = _finish(_agent(tmp_path, script, scheduler=scheduler, script_args=["--lr", "0.1"],
+                                  log_dir=str(tmp_path / "logs")))
     assert rc == 0, err
     assert "[worker 0] hello 0 0 2 worker 1 ['--lr', '0.1']" in out
     assert "[worker 1] hello 1 1 2 worker 1 ['--lr', '0.1']" in out
