@@ -209,5 +209,7 @@ def test_a_config_error_after_init_ends_the_job_at_once(tmp_path: Path) -> None:
     ended = time.time()
     summary = _check_ended_at_once(proc, "trainguard.errors.ConfigError: the loader's sampler must be "
                                          "trainguard.ShardedSampler (train.py, line 7)")
-    assert ended - float(raised.read_text()) < 15, proc.stderr[-3000:]
+    # rank 0 holds the stop signal (it is outside a training loop) and is killed after the 10 s grace period:
+    # the bound tells that apart from waiting for its 90 s sleep, with room for a loaded machine (15.4 s seen)
+    assert ended - float(raised.read_text()) < 60, proc.stderr[-3000:]
     assert "Traceback (most recent call last):" in summary and "runpy" not in summary
