@@ -111,7 +111,9 @@ def test_a_frame_of_empty_maps_is_refused_before_it_costs_anything(tmp_path):
         reply, rest = exchange(address, data)
         assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.BAD_MESSAGE
         assert ("exceeds" if n > p.MAX_REQUEST_BYTES else "too many maps") in reply.message
-        assert time.monotonic() - t0 < 2.0  # includes sending 4 MiB over loopback
+        # the message shows where it was refused (the header, the 100,000th map); the time is a hang guard only
+        # (2.46 s seen under load, sending 4 MiB over loopback included)
+        assert time.monotonic() - t0 < 30.0
         assert query_status(address)["worker_num"] == 2 and thread.is_alive()
 
 
