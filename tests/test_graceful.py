@@ -3,6 +3,7 @@ to a run that never stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -83,6 +84,48 @@ def test_sigterm_to_the_launcher_saves_and_the_same_command_resumes(tmp_path, ba
     check_final(tmp_path, baseline, again)
     assert step in restored_from_disk(tmp_path)
     assert (tmp_path / "ckpt" / "strategy.json").is_file() and (tmp_path / "recovery" / "strategy.json").is_file()
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and every process descended from it (workers run in sessions of their own: ppid, not pgid)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += parents.get(pid, [])
+    return found
+
+
+def test_sigterm_to_every_process_of_the_job_at_once_is_one_graceful_stop(tmp_path):
+    """Slurm's scancel (proctrack/linuxproc, cgroup), systemd's stop and `kill 0` signal every process of the
+    job, the zygote, the scheduler and a hot spare included: still one dying gasp at one step, exit 75."""
+    extra = ckpt_args(tmp_path, "callback", "--step-sleep", "0.1")
+    proc = subprocess.Popen(run_cmd(tmp_path, "--hot-spares", "1", extra=extra), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: 4 in complete_steps(tmp_path, 1), 60, "the checkpoint of step 4")
+        tree = _tree(proc.pid)
+        assert len(tree) >= 6, tree  # agent, scheduler, zygote, 2 workers, the spare
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    stopped = graceful_steps(tmp_path)
+    assert set(stopped) == {0, 1} and len(set(stopped.values())) == 1, err[-3000:]
+    (step,) = set(stopped.values())
+    assert step in complete_steps(tmp_path, 0) and "zygote" not in err.split("received SIGTERM", 1)[1], err[-3000:]
 
 
 def test_sigterm_straight_to_one_worker_stops_the_whole_job(tmp_path, baseline):

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from harness import JOB, REPO, env
 
+from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.control.metrics import families
+from trainguard.control.sched_main import start_in_thread
 from trainguard.control.status import JobView
 from trainguard.launch.observe import render_status
 from trainguard.obs.events import EventTail
@@ -175,6 +177,18 @@ def test_a_stranger_without_the_secret_gets_no_status(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+
+
+def test_the_metrics_endpoint_serves_the_job_from_the_moment_it_listens(tmp_path):
+    """Before any worker came and before the scheduler's loop first ran its monitor, a scrape gets the job:
+    a scraper that hits a fresh job is never handed an empty page (a CI run once was)."""
+    cfg = ClusterConfig(role=Role.SCHEDULER, mode=LaunchMode.DYNAMIC, sched_host="127.0.0.1", sched_port=0,
+                        worker_num=2, recovery_path=tmp_path / "recovery", secret=b"metrics-test-secret-0123456789",
+                        metrics_port=free_port(), metrics_host="127.0.0.1")
+    scheduler, _ = start_in_thread(cfg)
+    first = scrape(cfg.metrics_port)
+    assert first["trainguard_generation"] == scheduler.cluster.generation and first["trainguard_job_running"] == 1
+    assert first["trainguard_workers{state=alive}"] == 0 and first["trainguard_steps_total"] == 0
 
 
 # --- pure parts ----------------------------------------------------------------------------------------

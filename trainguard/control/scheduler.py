@@ -136,6 +136,7 @@ class Scheduler:
                           generation=self.cluster.generation, pid=os.getpid())
         self.view.announce(self.cfg.sched_host, self.port)
         if self.cfg.metrics_port is not None:
+            self._publish()  # before it listens: the endpoint never serves an empty page
             self.metrics = MetricsServer(self.cfg.metrics_host or self.cfg.sched_host, self.cfg.metrics_port,
                                          lambda: self.view.snapshot)
         self.ready.set()
@@ -196,13 +197,20 @@ class Scheduler:
         while True:
             await asyncio.sleep(period)
             if self.metrics is not None:  # the endpoint's thread reads what the loop publishes
-                self.view.tick(self.cluster, time.monotonic())
+                self._publish()
             for node in m.expired(self.cluster, time.monotonic(), self.cfg.heartbeat_timeout):
                 detail = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
                 self._fail(node.node_id, node.incarnation, p.FailureKind.HEARTBEAT, detail)
                 kill_if_local(node.node_id, node.host, node.pid, self.port)
             if self.elastic and not self.cluster.formed:  # a dead member's deadline may have passed
                 self.rendezvous.try_form()
+
+    def _publish(self) -> None:
+        """A fault in the metrics view is logged and never stops the failure detection that follows it."""
+        try:
+            self.view.tick(self.cluster, time.monotonic())
+        except Exception:  # noqa: BLE001 - the job's liveness matters more than its metrics
+            log.exception("the metrics snapshot failed; the endpoint keeps the previous one")
 
     # --- connections (conn.py) ---------------------------------------------------------------
 

@@ -22,6 +22,12 @@ Forking is not safe once a preloaded import has started a Python thread or initi
 child cannot use it): the zygote then says so in its first message and exits, and the agent starts
 fresh processes instead (forked.py).
 
+The zygote ignores the stop signals (SIGTERM, SIGINT, SIGUSR1). A stop is the agent's to handle: it
+forwards it to the workers and waits out their dying gasp. But Slurm's scancel, systemd's stop and `kill 0`
+signal every process of the job at once, and a zygote that died of it would take the exit statuses of
+the stopping workers with it (the agent then kills them). Each child gets back the dispositions a fresh
+process has. The zygote still ends at EOF on its socket, or on SIGKILL.
+
 The zygote is single-threaded. It waits on its socket (forkwire.py: who may send there) and on SIGCHLD,
 reaps each child and sends its exit status to the agent, which is not the child's parent. At EOF (the
 agent ended, or closed it) it exits, and its children go on as children of a dead agent would.
@@ -43,6 +49,7 @@ import time
 import traceback
 from typing import Any, NoReturn
 
+from .. import signals
 from ..errors import ProtocolError
 from . import forkwire, proctitle
 from .forkwire import MAINS, MAX_TARGET, ZYGOTE_MODULE
@@ -87,8 +94,9 @@ def parse_order(message: dict[str, Any], nfds: int) -> tuple[str, list[str], dic
 class Zygote:
     """The serving side: fork on order, report exits. Single-threaded by design."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, dispositions: dict[int, object]) -> None:
         self.sock = sock
+        self.dispositions = dispositions  # the stop signals' handlers before the zygote ignored them
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
@@ -160,6 +168,7 @@ class Zygote:
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signals.restore(self.dispositions)
             self.sock.close()
             os.setsid()
             place_fds(fds, [0, 1, 2, *targets])
@@ -211,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    dispositions = signals.install(signal.SIG_IGN)  # stops are the agent's (see the module's docstring)
     sock = socket.socket(fileno=args.fd)
     sock.set_inheritable(False)
     proctitle.set_cmdline([sys.executable, "-u", "-m", ZYGOTE_MODULE, args.script])
@@ -222,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                          "failures": failures[:20]})
     if hazard:
         return 0
-    return Zygote(sock).serve()
+    return Zygote(sock, dispositions).serve()
 
 
 if __name__ == "__main__":
