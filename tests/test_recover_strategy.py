@@ -31,6 +31,7 @@ from trainguard.errors import ConfigError
 from trainguard.launch import cli
 from trainguard.launch.agent import Supervisor
 from trainguard.launch.policy import LaunchSpec, scheduler_env, worker_env
+from trainguard.launch.relocate import Relocation
 from trainguard.strategies import parse_strategy, require_implemented
 
 POLICY = PlacementPolicy(fail_limit=2, fail_window_s=60.0, cooldown_s=30.0)
@@ -146,9 +147,10 @@ def test_a_placed_worker_keeps_its_node_id_and_takes_a_free_local_rank(tmp_path)
     sup = Supervisor(spec, env={})
     assert [w.node_id for w in sup.workers] == ["2", "3"]
     sup.workers[0].done = True  # worker 2 moved to another host
-    placed = sup._placed_worker("0")
+    relocation = Relocation(sup, spec, say=lambda _line: None)  # what the Supervisor holds under recover
+    placed = relocation.placed_worker("0")
     assert (placed.node_id, placed.index, placed.env["TG_NODE_ID"], placed.env["TG_LOCAL_RANK"]) == ("0", 0, "0", "0")
-    back = sup._placed_worker("2")  # worker 2 comes back: its own child again, with a local rank now free
+    back = relocation.placed_worker("2")  # worker 2 comes back: its own child again, with a local rank now free
     assert back is sup.workers[0] and back.index == 2 and back.env["TG_LOCAL_RANK"] == "2"
     assert len(sup.workers) == 3
 

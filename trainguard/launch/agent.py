@@ -60,7 +60,7 @@ PUMP_DRAIN_S = 0.25  # time to read the rest of a dead child's stderr
 # --- the supervisor ----------------------------------------------------------------
 
 
-class Supervisor(Relocation):
+class Supervisor:
     """Runs one host's children until the job ends; `run()` returns the agent's exit code."""
 
     def __init__(self, spec: LaunchSpec, *, scheduler_cmd: Sequence[str] | None = None,
@@ -78,7 +78,7 @@ class Supervisor(Relocation):
                                      spec.secret, self._node_of_pid)  # this host's heartbeats as one (relay.py), or None
         if self.relay is not None:
             base = {**base, BEAT_SOCKET_ENV: self.relay.path}
-        self._base = dict(base)
+        self.base_env = dict(base)
         self.children: list[Child] = []
         if spec.hosts_scheduler:
             # --parent-pid: it ends with this agent, even one killed by SIGKILL (no orphan holds the port)
@@ -101,9 +101,7 @@ class Supervisor(Relocation):
         self._signals: list[int] = []
         self._lock = threading.Lock()
         self._exits: queue.Queue[tuple[Child, Process, int]] = queue.Queue()
-        self._placing = threading.Lock()  # recover: what runs here, as the sync thread reports it
-        self._handled: list[int] = []  # recover: the placement orders carried out here
-        self.link = None  # recover: relocate.PlacementLink, started in run()
+        self.relocation: Relocation | None = None  # recover: started in run()
 
     @property
     def workers(self) -> list[Child]:
@@ -141,13 +139,14 @@ class Supervisor(Relocation):
             if self.spares is not None:  # after the workers: they need the CPU first
                 self.spares.start()
             if spec.recover_strategy.moves:
-                self._start_link()
+                self.relocation = Relocation(self, spec, self._say)
+                self.relocation.start()
             code = self._loop()
             self._print_recoveries()
             return code
         finally:
-            if self.link is not None:
-                self.link.close()
+            if self.relocation is not None:
+                self.relocation.close()
             if self.relay is not None:
                 self.relay.close()
             self._close_spares()
@@ -168,7 +167,8 @@ class Supervisor(Relocation):
                 self._say(f"received {signal_name(signum)}; forwarding it to the workers, then the scheduler")
                 self._stop(signum)
                 return self._signalled_code(signum)
-            self._take_orders()
+            if self.relocation is not None:
+                self.relocation.take_orders()
             try:
                 child, popen, rc = self._exits.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
@@ -177,17 +177,18 @@ class Supervisor(Relocation):
                 code = self._on_exit(child, rc)
                 if code is not None:
                     return code
-            elif self.link is None:
+            elif self.relocation is None:
                 continue
-            if all(w.done for w in self.workers) and self._may_end():
+            if all(w.done for w in self.workers) and (self.relocation is None or self.relocation.may_end()):
                 self._finish()
                 return self._final_code()
 
     def _final_code(self) -> int:
         code, message = ended_exit(self.preempted, self.fault_stops, self.root, self.restarts_used,
                                    self._gasp_saved())
-        if code == 0 and self.link is not None and self.link.job == "failed":  # failed on another host
-            code, message = 1, f"trainguard: the job failed: {self.link.root_cause}"
+        elsewhere = self.relocation.failed_elsewhere if self.relocation is not None else None
+        if code == 0 and elsewhere is not None:  # failed on another host
+            code, message = 1, f"trainguard: the job failed: {elsewhere}"
         if message:
             print(message, file=self.err, flush=True)
         return code
@@ -239,7 +240,7 @@ class Supervisor(Relocation):
             decision = Decision(Action.GIVE_UP, f"{decision.reason}, but no other worker is left here",
                                 decision.crash_loop)
         if child.role is Role.WORKER:
-            over = self._report(child, failure, final=decision.action in (Action.GIVE_UP, Action.LEFT_OUT))
+            over = self.report(child, failure, final=decision.action in (Action.GIVE_UP, Action.LEFT_OUT))
             if over and decision.action is Action.RESTART:  # killed after its goodbye: nothing to redo
                 child.done = True
                 self._say(f"{child.name} is not restarted: {over}")
@@ -253,9 +254,10 @@ class Supervisor(Relocation):
             child.restarts += 1
             child.restart_times.append(time.monotonic())
             self._kill([child])  # leftovers of the dead process's group
-            where = self._place(child, failure) if self.link is not None and child.role is Role.WORKER else "here"
+            where = (self.relocation.place(child, failure) if self.relocation is not None and child.role is Role.WORKER
+                     else "here")
             if where == "here":
-                self._restart(child)
+                self.restart(child)
                 return None
             if where == "moved":
                 return None
@@ -303,7 +305,12 @@ class Supervisor(Relocation):
     def _start_process(self, cmd: Sequence[str], env: dict[str, str], **kwargs) -> Process:
         return start_process(self.zygote, cmd, env, give_up=lambda: bool(self._signals), **kwargs)
 
-    def _restart(self, child: Child, budget: str | None = None) -> None:
+    @property
+    def stopping(self) -> bool:
+        """A stop signal arrived: nothing new is started."""
+        return bool(self._signals)
+
+    def restart(self, child: Child, budget: str | None = None) -> None:
         """A worker from a hot spare when one is alive, else a new process (_start)."""
         budget = budget or f"restart {self.restarts_used}/{self.spec.max_restarts}"
         more = self.restarts_used < self.spec.max_restarts  # else no restart will need a successor
@@ -366,7 +373,7 @@ class Supervisor(Relocation):
 
     # --- reporting -------------------------------------------------------------------
 
-    def _report(self, child: Child, failure: Failure, *, final: bool = False, why: str = "") -> str:
+    def report(self, child: Child, failure: Failure, *, final: bool = False, why: str = "") -> str:
         """Tell the scheduler about a dead worker at once (exitreport.py); why it needs no replacement, or ""."""
         return report_death(self.spec, self.scheduler, child, failure, self._say, final=final, why=why)
 

@@ -1,6 +1,6 @@
 """The agent's side of the `recover` strategy: its line to the scheduler's AgentBoard (control/agents.py).
 
-`Relocation` is the part of the Supervisor (agent.py) that carries placements out. A thread syncs every `SYNC_PERIOD_S`: it tells the scheduler this agent's node rank, host, slots and the
+`Relocation` is the Supervisor's (agent.py) collaborator that carries placements out. A thread syncs every `SYNC_PERIOD_S`: it tells the scheduler this agent's node rank, host, slots and the
 node ids it runs, and receives the orders for it (start worker X here, placed from another host) and the
 job's state. When a worker dies the agent asks `place()`, and the scheduler answers move (to which agent),
 in place, or fail (with the reason). Orders are queued for the agent's loop, each once (by seq).
@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
 from ..config import Role, this_host
 from ..control import protocol as p
@@ -126,86 +126,122 @@ class PlacementLink:
         return reply
 
 
-class Relocation:
-    """The Supervisor's recover methods: it provides workers, spec, children, _placing, _handled, link, _say,
-    _signals, _restart, _report, _base, children, workers and scheduler."""
+class AgentHost(Protocol):
+    """What Relocation needs of the agent (agent.py's Supervisor), all of it public."""
 
-    def _start_link(self) -> None:
-        spec = self.spec
+    children: list[Child]
+    base_env: dict[str, str]
+
+    @property
+    def workers(self) -> list[Child]: ...
+
+    @property
+    def scheduler(self) -> Child | None: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def restart(self, child: Child, budget: str | None = None) -> None: ...
+
+    def report(self, child: Child, failure, *, final: bool = False, why: str = "") -> str: ...
+
+
+class Relocation:
+    """The `recover` strategy's part of an agent: its line to the scheduler, the question where a dead worker
+    starts again, and the orders to start here the workers placed from other hosts. The Supervisor holds one
+    under `recover`; it reaches the Supervisor only through AgentHost."""
+
+    def __init__(self, host: AgentHost, spec, say: Callable[[str], None]) -> None:
+        self.host = host
+        self.spec = spec
+        self.say = say
+        self.placing = threading.Lock()  # what runs here, as the sync thread reports it
+        self.handled: list[int] = []  # the placement orders carried out here
         self.link = PlacementLink((spec.sched_host, spec.sched_port), spec.node_rank, spec.capacity,
-                                  self._running, self._say, secret=spec.secret)
+                                  self.running, say, secret=spec.secret)
+
+    def start(self) -> None:
         self.link.start()
 
-    def _running(self) -> tuple[list[str], list[int]]:
-        with self._placing:
-            return ([w.node_id or "" for w in self.workers if not w.done and not w.placing], list(self._handled))
+    def close(self) -> None:
+        self.link.close()
 
-    def _place(self, child, failure) -> str:
+    @property
+    def failed_elsewhere(self) -> str | None:
+        """The job's root cause when it failed on another host (the scheduler says), else None."""
+        return self.link.root_cause if self.link.job == "failed" else None
+
+    def running(self) -> tuple[list[str], list[int]]:
+        with self.placing:
+            return ([w.node_id or "" for w in self.host.workers if not w.done and not w.placing], list(self.handled))
+
+    def place(self, child: Child, failure) -> str:
         """Ask the scheduler where the dead worker starts again: "here", "moved", or why it cannot."""
         in_place_ok = Strategy.RECOVER_IN_PLACE in self.spec.recover_strategy.chosen
-        with self._placing:
+        with self.placing:
             child.placing = True
         placed = self.link.place(child.node_id or "", in_place_ok=in_place_ok)
-        with self._placing:
+        with self.placing:
             child.placing = False
             if placed is not None and placed.action == "move":
                 child.done = True
         if placed is None:
             if in_place_ok:
-                self._say(f"cannot ask the scheduler where {child.name} should go; restarting it here")
+                self.say(f"cannot ask the scheduler where {child.name} should go; restarting it here")
                 return "here"
             reason = f"cannot ask the scheduler at {self.spec.sched_host}:{self.spec.sched_port} where it should go"
         elif placed.action == "move":
-            self._say(f"{child.name} goes to the agent of node rank {placed.target}: {placed.reason}")
+            self.say(f"{child.name} goes to the agent of node rank {placed.target}: {placed.reason}")
             return "moved"
         elif placed.action == "in_place":
-            self._say(f"{child.name}: {placed.reason}")
+            self.say(f"{child.name}: {placed.reason}")
             return "here"
         else:
             reason = placed.reason
-        self._report(child, failure, final=True, why=reason)
+        self.host.report(child, failure, final=True, why=reason)
         return f"{child.name} is not replaced: {reason}"
 
-    def _take_orders(self) -> None:
+    def take_orders(self) -> None:
         """Start the workers the scheduler placed here (each keeps its node id, hence its rank)."""
-        while self.link is not None and not self._signals:
+        while not self.host.stopping:
             try:
                 order = self.link.orders.get_nowait()
             except queue.Empty:
                 return
-            with self._placing:
-                child = self._placed_worker(order.node_id)
+            with self.placing:
+                child = self.placed_worker(order.node_id)
                 if child.alive():
-                    self._say(f"asked to start {child.name}, which still runs here; ignored")
+                    self.say(f"asked to start {child.name}, which still runs here; ignored")
                 child.done = False
-                self._handled.append(order.seq)
+                self.handled.append(order.seq)
             if not child.alive():
-                self._restart(child, f"placed here by the scheduler: it died on node rank {order.origin}")
+                self.host.restart(child, f"placed here by the scheduler: it died on node rank {order.origin}")
 
-    def _may_end(self) -> bool:
-        """Every worker here has left: the agent ends, except under recover while the job still runs on other
-        hosts (one of their dead workers may be placed here; and the scheduler, if here, must stay)."""
-        if self.link is None or not self.link.job_running or not self.link.elsewhere:
+    def may_end(self) -> bool:
+        """Every worker here has left: the agent ends, except while the job still runs on other hosts (one of
+        their dead workers may be placed here; and the scheduler, if here, must stay)."""
+        if not self.link.job_running or not self.link.elsewhere:
             return True
-        sched = self.scheduler
+        sched = self.host.scheduler
         if sched is not None:
             return not sched.alive()
         if self.link.silent_for() > self.link.orphan_s:
-            self._say(f"nothing runs here and the scheduler has not answered for {self.link.silent_for():.0f} s; "
-                      "stopping")
+            self.say(f"nothing runs here and the scheduler has not answered for {self.link.silent_for():.0f} s; "
+                     "stopping")
             return True
         return False
 
-    def _placed_worker(self, node_id: str) -> Child:
-        """recover: the child for a worker placed here from another host. It keeps its node id (so its rank) and
-        gets the lowest local rank no running worker here has (relocate.py)."""
-        taken = {w.index for w in self.workers if not w.done}
-        index = next(i for i in range(len(self.workers) + 1) if i not in taken)
-        env = worker_env(self._base, self.spec, index, node_id=node_id)
-        child = next((w for w in self.workers if w.node_id == node_id), None)
+    def placed_worker(self, node_id: str) -> Child:
+        """The child for a worker placed here from another host. It keeps its node id (so its rank) and gets the
+        lowest local rank no running worker here has."""
+        workers = self.host.workers
+        taken = {w.index for w in workers if not w.done}
+        index = next(i for i in range(len(workers) + 1) if i not in taken)
+        env = worker_env(self.host.base_env, self.spec, index, node_id=node_id)
+        child = next((w for w in workers if w.node_id == node_id), None)
         if child is None:
             child = Child(Role.WORKER, index, node_id, worker_cmd(self.spec), env)
-            self.children.append(child)
+            self.host.children.append(child)
         elif not child.alive():
             child.index, child.env = index, env
         return child
