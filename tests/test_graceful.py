@@ -62,17 +62,26 @@ def graceful_steps(out: Path) -> dict[int, int]:
 # --- graceful exit ------------------------------------------------------------------------
 
 
-def test_sigterm_to_the_launcher_saves_and_the_same_command_resumes(tmp_path, baseline):
-    extra = ckpt_args(tmp_path, "callback", "--step-sleep", "0.1")
-    proc = subprocess.Popen(run_cmd(tmp_path, extra=extra), env=env(), stdout=subprocess.PIPE,
+def sigterm_after_step_4(out: Path, targets, *flags: str) -> tuple[subprocess.Popen, str, tuple]:
+    """Run the job (a checkpoint every 4 steps, a dying gasp), SIGTERM `targets(launcher pid)` once step 4's
+    checkpoint is complete, and wait for the end: (the launcher, its stderr, the job's extra args)."""
+    extra = ckpt_args(out, "callback", "--step-sleep", "0.1")
+    proc = subprocess.Popen(run_cmd(out, *flags, extra=extra), env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: 4 in complete_steps(tmp_path, 1), 60, "the checkpoint of step 4")
-        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: 4 in complete_steps(out, 1), 60, "the checkpoint of step 4")
+        for pid in targets(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, err, extra
+
+
+def test_sigterm_to_the_launcher_saves_and_the_same_command_resumes(tmp_path, baseline):
+    proc, err, extra = sigterm_after_step_4(tmp_path, lambda launcher: [launcher])
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     stopped = graceful_steps(tmp_path)
     assert set(stopped) == {0, 1} and len(set(stopped.values())) == 1  # every rank stopped at the same step
@@ -107,20 +116,14 @@ def _tree(root: int) -> list[int]:
 def test_sigterm_to_every_process_of_the_job_at_once_is_one_graceful_stop(tmp_path):
     """Slurm's scancel (proctrack/linuxproc, cgroup), systemd's stop and `kill 0` signal every process of the
     job, the zygote, the scheduler and a hot spare included: still one dying gasp at one step, exit 75."""
-    extra = ckpt_args(tmp_path, "callback", "--step-sleep", "0.1")
-    proc = subprocess.Popen(run_cmd(tmp_path, "--hot-spares", "1", extra=extra), env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: 4 in complete_steps(tmp_path, 1), 60, "the checkpoint of step 4")
-        tree = _tree(proc.pid)
-        assert len(tree) >= 6, tree  # agent, scheduler, zygote, 2 workers, the spare
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    signalled: list[int] = []
+
+    def everyone(launcher: int) -> list[int]:
+        signalled.extend(_tree(launcher))
+        return signalled
+
+    proc, err, _ = sigterm_after_step_4(tmp_path, everyone, "--hot-spares", "1")
+    assert len(signalled) >= 6, signalled  # agent, scheduler, zygote, 2 workers, the spare
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     stopped = graceful_steps(tmp_path)
     assert set(stopped) == {0, 1} and len(set(stopped.values())) == 1, err[-3000:]
