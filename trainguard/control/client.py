@@ -249,13 +249,14 @@ class Heartbeater(threading.Thread):
         self.job_over = False
         self.fenced = ""
         self.connected = threading.Event()
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not `_stop`: that is Thread's own method, which a forked child
+        # (a DataLoader worker) calls on every thread it inherited
         self._conn: Connection | None = None
         self.relay = relay
 
     def run(self) -> None:
         delay = BACKOFF_START_S
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 if self._conn is None:
                     self._conn = (LocalConnection(self.relay, 2.0) if self.relay else
@@ -277,16 +278,16 @@ class Heartbeater(threading.Thread):
                 self.formed, self.job_over = reply.formed, reply.job_over
                 self.connected.set()
                 delay = BACKOFF_START_S
-                self._stop.wait(self.interval)
+                self._halt.wait(self.interval)
             except (SchedulerUnavailable, ProtocolError) as exc:
                 self._conn = None
                 self.connected.clear()
                 log.debug("heartbeat: %s; retrying in %.2f s", exc, delay)
-                self._stop.wait(delay)
+                self._halt.wait(delay)
                 delay = min(BACKOFF_MAX_S, delay * 2)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         if self._conn is not None:
             self._conn.close()
 

@@ -36,6 +36,7 @@ from ..errors import (
 )
 from ..obs.events import EventLog
 from . import collectives
+from .mpchild import refuse_a_rerun_by_multiprocessing
 from .sever import GroupSockets, open_sockets, scheduler_peers
 from .store import SchedulerStore, generation_prefix
 
@@ -336,6 +337,7 @@ def init(env=None) -> Runtime:
             _runtime.form()
             _export(_runtime)
         return _runtime
+    refuse_a_rerun_by_multiprocessing()
     cfg = C.from_env(env)
     if cfg.role is C.Role.SCHEDULER:
         from ..control.sched_main import run_scheduler
