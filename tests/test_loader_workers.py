@@ -11,7 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from harness import env
+import torch
+from harness import assert_identical, env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -70,3 +71,87 @@ def test_a_script_without_the_main_guard_under_spawn_is_told_the_fix(tmp_path):
     assert proc.returncode != 0
     assert "ran the script again in a child process" in proc.stderr and '__name__ == "__main__"' in proc.stderr
     assert "already registered" not in proc.stderr, proc.stderr[-3000:]
+
+
+AUGMENTED = '''
+import sys
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+import trainguard as tg
+from trainguard import DDP, DataLoader, DistributedSampler
+
+
+class Noisy(Dataset):
+    """Random augmentation in __getitem__, drawn from torch's and NumPy's global streams (as transforms do)."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(96, 6, generator=g), torch.randn(96, 1, generator=g)
+
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        noise = torch.rand(6) * 0.1 + torch.from_numpy(np.random.rand(6).astype("float32")) * 0.1
+        return self.x[i] + noise, self.y[i]
+
+
+def main():
+    tg.init()
+    torch.manual_seed(0)
+    ds = Noisy()
+    loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, seed=0), num_workers=2,
+                        persistent_workers=True)
+    model = DDP(nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    opt = tg.Optimizer(opt, lr_scheduler=sched)
+    for epoch in range(tg.start_epoch(), 3):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+    torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+               f"{sys.argv[1]}/final_{tg.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.parametrize("fault", ["1:5:kill", "2:6:kill"])
+def test_random_augmentation_in_loader_workers_is_the_same_after_a_kill_mid_epoch(tmp_path, fault):
+    """3 ranks, 2 loader workers each, noise drawn in __getitem__; rank 1 (or 2) is killed in epoch 1, the
+    survivors run the script again and the replacement starts: the iterators restart mid-epoch, and every
+    tensor of model, buffers, optimizer and scheduler ends equal to an uninterrupted run's."""
+    path = tmp_path / "augmented.py"
+    path.write_text(AUGMENTED)
+    finals = {}
+    for name, faults in (("clean", ""), ("killed", fault)):
+        out = tmp_path / name
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "1",
+                               "--recovery-path", str(out / "recovery"), str(path), str(out)],
+                              env=env(TG_FAULT=faults), capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        finals[name] = [torch.load(out / f"final_{r}.pt", weights_only=True) for r in range(3)]
+    assert "back to step" in proc.stderr or "restored" in proc.stderr, proc.stderr[-3000:]  # it did recover
+    for rank in range(3):
+        assert_identical(finals["killed"][rank], finals["clean"][rank], f"rank {rank}")
+
+
+def test_a_sample_key_is_an_int_that_keeps_its_seed_across_pickling():
+    import pickle
+
+    from trainguard.train.loaderseed import SampleKey, sample_seed
+
+    key = SampleKey(7, sample_seed(123, 2, 7))
+    back = pickle.loads(pickle.dumps([key]))[0]
+    assert back == 7 and isinstance(back, SampleKey) and back.seed == key.seed
+    assert [10, 20, 30, 40, 50, 60, 70, 80][key] == 80 and torch.arange(10)[key] == 7
+    assert sample_seed(123, 2, 7) == key.seed != sample_seed(123, 3, 7) != sample_seed(124, 2, 7)

@@ -30,6 +30,7 @@ import torch
 
 from ..errors import ConfigError
 from ..worker import runtime as rt_mod
+from .loaderseed import SampleKey, sample_seed
 
 
 def runtime_shards() -> tuple[int, int]:
@@ -89,6 +90,7 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         self._start = 0  # where the next __iter__ begins; one-shot
         self._position = 0  # indices handed out so far in the current epoch (in its current phase)
         self._base = 0  # global-order offset where the current phase starts (0 unless re-sharded mid-epoch)
+        self.keys_seed: int | None = None  # the job seed: indices go out as SampleKeys (loaderseed.py)
 
     # --- sharding -------------------------------------------------------------
     @property
@@ -260,9 +262,10 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         return self._walk(mine, start)
 
     def _walk(self, mine: list[int], start: int) -> Iterator[int]:
+        seed, epoch = self.keys_seed, self._epoch
         for i in range(start, len(mine)):
             self._position = i + 1
-            yield mine[i]
+            yield mine[i] if seed is None else SampleKey(mine[i], sample_seed(seed, epoch, mine[i]))
 
     def __repr__(self) -> str:
         shards = f"{self._shard_id}/{self._num_shards}" if self._num_shards else "lazy"
@@ -274,13 +277,19 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         )
 
 
+def sharded_sampler(loader) -> ShardedSampler | None:
+    """The ShardedSampler of a DataLoader (as its sampler or its batch sampler's), or None."""
+    sampler = loader.sampler if isinstance(loader.sampler, ShardedSampler) else getattr(
+        loader.batch_sampler, "sampler", None)
+    return sampler if isinstance(sampler, ShardedSampler) else None
+
+
 def sampler_of(loader) -> ShardedSampler | None:
     """The ShardedSampler of a DataLoader (as its sampler or its batch sampler's); ConfigError otherwise."""
     if loader is None:
         return None
-    sampler = loader.sampler if isinstance(loader.sampler, ShardedSampler) else getattr(
-        loader.batch_sampler, "sampler", None)
-    if not isinstance(sampler, ShardedSampler):
+    sampler = sharded_sampler(loader)
+    if sampler is None:
         raise ConfigError("the loader's sampler must be trainguard.ShardedSampler so that the data position "
                           "can be restored after a failure: DataLoader(ds, batch_size=B, sampler=ShardedSampler(ds))")
     return sampler

@@ -64,7 +64,11 @@ def reseed(seed: int | None, rank: int, step: int) -> None:
     all draw what an uninterrupted run draws. About 15 us."""
     if seed is None:
         return
-    s = step_seed(seed, rank, step)
+    seed_streams(step_seed(seed, rank, step))
+
+
+def seed_streams(s: int) -> None:
+    """Seed Python's, NumPy's, torch's (and CUDA's, once initialised) global random streams with `s`."""
     random.seed(s)
     np.random.seed(s % (1 << 32))
     torch.default_generator.manual_seed(s)
