@@ -80,7 +80,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 import trainguard as tg
-from trainguard import DDP, DataLoader, DistributedSampler
 
 
 class Noisy(Dataset):
@@ -98,13 +97,14 @@ class Noisy(Dataset):
         return self.x[i] + noise, self.y[i]
 
 
-def main():
-    tg.init()
-    torch.manual_seed(0)
-    ds = Noisy()
-    loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, seed=0), num_workers=2,
-                        persistent_workers=True)
-    model = DDP(nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1)))
+def net():
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+
+def wrappers(ds):  # the user's own loop, ported: trainguard's DataLoader, DDP and Optimizer
+    loader = tg.DataLoader(ds, batch_size=8, sampler=tg.DistributedSampler(ds, seed=0), num_workers=2,
+                           persistent_workers=True)
+    model = tg.DDP(net())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     opt = tg.Optimizer(opt, lr_scheduler=sched)
@@ -115,7 +115,31 @@ def main():
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             sched.step()
-    torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+    return model.module, opt, sched
+
+
+def session(ds):  # a Session over torch's own DataLoader
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=tg.ShardedSampler(ds, seed=0), num_workers=2)
+    model = tg.DataParallel(net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    run = tg.Session(tg.TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader),
+                     tg.SessionConfig(epochs=3))
+    for step in run.steps():
+        with step:
+            x, y = step.batch
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+    return model.module, opt, sched
+
+
+def main():
+    tg.init()
+    torch.manual_seed(0)
+    module, opt, sched = {"wrappers": wrappers, "session": session}[sys.argv[2]](Noisy())
+    torch.save({"model": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
                f"{sys.argv[1]}/final_{tg.get_rank()}.pt")
 
 
@@ -124,25 +148,38 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("fault", ["1:5:kill", "2:6:kill"])
-def test_random_augmentation_in_loader_workers_is_the_same_after_a_kill_mid_epoch(tmp_path, fault):
-    """3 ranks, 2 loader workers each, noise drawn in __getitem__; rank 1 (or 2) is killed in epoch 1, the
-    survivors run the script again and the replacement starts: the iterators restart mid-epoch, and every
-    tensor of model, buffers, optimizer and scheduler ends equal to an uninterrupted run's."""
-    path = tmp_path / "augmented.py"
+def augmented_run(base: Path, style: str, fault: str) -> list[dict]:
+    out = base / f"{style}-{fault.replace(':', '_') or 'clean'}"
+    out.mkdir()
+    path = base / "augmented.py"
     path.write_text(AUGMENTED)
-    finals = {}
-    for name, faults in (("clean", ""), ("killed", fault)):
-        out = tmp_path / name
-        out.mkdir()
-        proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "1",
-                               "--recovery-path", str(out / "recovery"), str(path), str(out)],
-                              env=env(TG_FAULT=faults), capture_output=True, text=True, timeout=200)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        finals[name] = [torch.load(out / f"final_{r}.pt", weights_only=True) for r in range(3)]
-    assert "back to step" in proc.stderr or "restored" in proc.stderr, proc.stderr[-3000:]  # it did recover
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "1",
+                           "--recovery-path", str(out / "recovery"), str(path), str(out), style],
+                          env=env(TG_FAULT=fault), capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not fault or "restarting worker" in proc.stderr, proc.stderr[-3000:]  # it did recover
+    return [torch.load(out / f"final_{r}.pt", weights_only=True) for r in range(3)]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    base, runs = tmp_path_factory.mktemp("clean"), {}
+
+    def get(style: str) -> list[dict]:
+        if style not in runs:
+            runs[style] = augmented_run(base, style, "")
+        return runs[style]
+    return get
+
+
+@pytest.mark.parametrize("style, fault", [("wrappers", "1:5:kill"), ("session", "2:6:kill")])
+def test_random_augmentation_in_loader_workers_is_the_same_after_a_kill_mid_epoch(tmp_path, clean, style, fault):
+    """3 ranks, 2 loader workers each, noise drawn in __getitem__; rank 1 (or 2) is killed in epoch 1 and the
+    training iterators start again mid-epoch (the replacement's; under the wrappers the survivors run the script
+    again too): every tensor of model, buffers, optimizer and scheduler ends equal to an uninterrupted run's."""
+    killed = augmented_run(tmp_path, style, fault)
     for rank in range(3):
-        assert_identical(finals["killed"][rank], finals["clean"][rank], f"rank {rank}")
+        assert_identical(killed[rank], clean(style)[rank], f"rank {rank}")
 
 
 def test_a_sample_key_is_an_int_that_keeps_its_seed_across_pickling():

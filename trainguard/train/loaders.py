@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from . import guard as guard_mod
 from . import rewind as rewind_mod
 from .data import ShardedSampler, sharded_sampler
-from .loaderseed import SeedSamplesInWorker
+from .loaderseed import seed_loader_samples
 
 
 class DistributedSampler(ShardedSampler):
@@ -39,17 +39,13 @@ class DataLoader(torch.utils.data.DataLoader):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.tg_index = rewind_mod.next_loader_index()
-        if self.num_workers > 0:  # random draws in the workers, the same in every run (loaderseed.py)
-            self.worker_init_fn = SeedSamplesInWorker(self.worker_init_fn)
 
     def __iter__(self):
         guard = guard_mod.active()
         if guard is None:  # not training under a guard: a plain loader
             return super().__iter__()
         session = guard.ensure_started()
-        sampler = sharded_sampler(self)
-        if self.num_workers > 0 and sampler is not None:
-            sampler.keys_seed = session.seed
+        seed_loader_samples(self, sharded_sampler(self), session.seed)  # random draws in workers (loaderseed.py)
         if session.train_loader != self.tg_index:
             return _OtherBatches(self, guard)
         if not isinstance(self.sampler, ShardedSampler):

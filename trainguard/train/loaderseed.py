@@ -11,11 +11,13 @@ step's seed already covers it.
 
 So each sample is drawn from its own seed, a function of (job seed, epoch, sample index) alone
 (`sample_seed`): the same in every run, whatever worker fetches it and wherever the iterator started.
-The sampler (trainguard's DistributedSampler) yields each index as a `SampleKey`, an `int` that carries
-the seed, and each loader worker (its `worker_init_fn`, after the script's own) makes its copy of the
+The sampler (trainguard's DistributedSampler or ShardedSampler) yields each index as a `SampleKey`, an
+`int` that carries the seed, and each loader worker (its `worker_init_fn`, after the script's own) makes its copy of the
 dataset seed Python's, NumPy's and torch's streams from the key before each `dataset[i]`. A dataset's own
 `__getitems__` (whole-batch fetching) is turned off in the workers for that, one `__getitem__` per sample.
-Nothing changes in the main process, and a dataset indexed with a plain int behaves as before.
+Nothing changes in the main process, and a dataset indexed with a plain int behaves as before. Both the
+training wrappers' `trainguard.DataLoader` and the Session's loader (`TrainState(loader=...)`) do this
+(`seed_loader_samples`) each time an iterator starts.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ def sample_seed(job_seed: int, epoch: int, index: int) -> int:
     """The seed of sample `index`'s draws in `epoch` (pure; no rank, no position: the same in every run)."""
     digest = hashlib.blake2b(f"sample:{job_seed}:{epoch}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % SEED_RANGE
+
+
+def seed_loader_samples(loader, sampler, job_seed: int | None) -> None:
+    """Before an iterator of `loader` starts: with workers, its sampler (trainguard's) yields SampleKeys and
+    each worker seeds per sample (after the script's own `worker_init_fn`). Idempotent; nothing without
+    workers or before the job has its seed."""
+    if loader.num_workers == 0 or sampler is None or job_seed is None:
+        return
+    sampler.keys_seed = job_seed
+    if not isinstance(loader.worker_init_fn, SeedSamplesInWorker):
+        loader.worker_init_fn = SeedSamplesInWorker(loader.worker_init_fn)
 
 
 class SeedSamplesInWorker:

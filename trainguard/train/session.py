@@ -46,6 +46,7 @@ from . import phase as elastic
 from .checkpointing import DiskSources
 from .data import sampler_of
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
+from .loaderseed import seed_loader_samples
 from .parallel import DataParallel
 from .progress import ProgressEvents
 from .recovery import Recovery
@@ -132,6 +133,7 @@ class Session:
         if self.strategy.elastic:  # this generation's sharding of the rest of the epoch
             self.sampler.set_phase(self.phase.base, self.rt.world_size, self.rt.rank)
         self.sampler.set_position((self.in_epoch - self.phase.start) * self.state.loader.batch_size)
+        seed_loader_samples(self.state.loader, self.sampler, self.seed)  # random draws in loader workers
         return iter(self.state.loader)
 
     def done(self) -> bool:
