@@ -3,6 +3,7 @@ warm process. Real processes throughout: the zygote, its children, kill -9 of ei
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -51,6 +52,15 @@ def _link(tmp_path: Path, script: Path, env: dict[str, str] | None = None) -> tu
 
 def _fds(pid: int) -> set[int]:
     return {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if _ppid(int(entry)) == pid:
+                found.append(int(entry))
+    return found
 
 
 def _ppid(pid: int) -> int:
@@ -240,3 +250,41 @@ def test_run_forks_workers_from_the_zygote_and_no_zygote_starts_fresh_ones(tmp_p
         assert run.returncode == 0, run.stderr
         assert run.stdout.count(f"parent {forked}") == 2, run.stdout
         assert ("zygote ready" in run.stderr) is forked
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_killed_by_sigkill_takes_the_zygote_and_every_worker_with_it(tmp_path: Path) -> None:
+    """No orphan: an agent cannot forward anything once SIGKILLed (the OOM killer, a timeout), and a worker
+    left alone would wait in its next collective for good, holding its GPU and ports."""
+    script = _script(tmp_path, """
+        import os
+        import time
+        import torch
+        open(f"{os.environ['TG_NODE_ID']}.pid", "w").write(str(os.getpid()))
+        time.sleep(300)
+    """)
+    agent = subprocess.Popen([sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "1",
+                              str(script)], env=_env(), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = [tmp_path / f"{rank}.pid" for rank in (0, 1)]
+        deadline = time.monotonic() + 90
+        while not all(p.exists() and p.read_text() for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = [int(p.read_text()) for p in pids]
+        zygote = _ppid(workers[0])
+        assert b"trainguard.launch.zygote" in Path(f"/proc/{zygote}/cmdline").read_bytes()
+        children = _children(zygote)  # the workers and the hot spare
+        assert set(workers) < set(children), (workers, children)
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 30
+        left = [zygote, *children]
+        while left and time.monotonic() < deadline:
+            left = [pid for pid in left if Path(f"/proc/{pid}").exists() and "Z" not in
+                    Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+            time.sleep(0.05)
+        assert not left, f"still running after the agent's SIGKILL: {left}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)

@@ -30,13 +30,15 @@ process has. The zygote still ends at EOF on its socket, or on SIGKILL.
 
 The zygote is single-threaded. It waits on its socket (forkwire.py: who may send there) and on SIGCHLD,
 reaps each child and sends its exit status to the agent, which is not the child's parent. At EOF (the
-agent ended, or closed it) it exits, and its children go on as children of a dead agent would.
+agent closed it, after stopping the workers) it exits. If the agent dies, the zygote and its children die
+with it (`die_with_parent`), as the scheduler does (`--parent-pid`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import importlib
 import os
@@ -57,6 +59,23 @@ from .spare_main import preload
 from .worker_main import end_process, script_path
 
 MAX_FD = 1 << 20
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when the thread that started it ends (Linux's PR_SET_PDEATHSIG; elsewhere
+    nothing). The zygote is started by the agent's main thread and forks from its only thread, so an agent
+    killed by SIGKILL (the OOM killer, a timeout) takes the zygote, and the zygote its children, with it:
+    no worker is left blocked in a collective for good, holding its GPU and ports."""
+    parent = os.getppid()
+    try:
+        ok = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return
+    if ok and parent == 1:  # the parent was gone before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fork_hazard() -> str:
@@ -169,6 +188,7 @@ class Zygote:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signals.restore(self.dispositions)
+            die_with_parent()  # with the zygote (and so with the agent)
             self.sock.close()
             os.setsid()
             place_fds(fds, [0, 1, 2, *targets])
@@ -221,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     dispositions = signals.install(signal.SIG_IGN)  # stops are the agent's (see the module's docstring)
+    die_with_parent()  # with the agent
     sock = socket.socket(fileno=args.fd)
     sock.set_inheritable(False)
     proctitle.set_cmdline([sys.executable, "-u", "-m", ZYGOTE_MODULE, args.script])
