@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import wait_for
 
 from trainguard.launch import cli
 from trainguard.launch.policy import LaunchSpec, spare_env
@@ -174,17 +175,13 @@ def test_pool_replaces_idle_deaths_then_disables(tmp_path: Path) -> None:
     try:
         pool.start()
         killed: list[int] = []
-        for _ in range(3):
-            deadline = time.monotonic() + 5
-            while not (set(pool.idle_pids) - set(killed)) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            pid = pool.idle_pids[0]
+        for _ in range(3):  # each time, the spare the pool started after the last kill (a fresh Python: seconds
+            # under load, 5.0 s once was not enough); 90 s only guards against a hang
+            fresh = wait_for(lambda: sorted(set(pool.idle_pids) - set(killed)), 90, "the pool's next idle spare")
+            pid = fresh[0]
             killed.append(pid)
             os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while not pool.disabled and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert pool.disabled, said
+        wait_for(lambda: pool.disabled, 60, f"the pool to give up on hot spares: {said}")
         assert pool.take() is None
     finally:
         pool.close()

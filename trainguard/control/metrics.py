@@ -3,9 +3,10 @@ default) serves them at http://HOST:P/metrics, HOST being TG_METRICS_HOST, else 
 address.
 
 The values come from the JobView snapshot (status.py) that the scheduler's event loop publishes before
-the endpoint listens, then once a second; prometheus_client's HTTP thread only reads that dict, never the scheduler's live state. The
-endpoint serves metrics and nothing else: no secret, host name, pid or path appears in them, and the
-only label values are worker states, phases, causes, the recover strategy and agent numbers.
+the endpoint listens, then once a second; prometheus_client's HTTP thread only reads that dict, never the
+scheduler's live state. The endpoint serves metrics and nothing else: no secret, host name, pid or path
+appears in them, and the only label values are worker states, phases, causes, the recover strategy and
+agent numbers.
 
 | metric                               | type      | labels           |
 |--------------------------------------|-----------|------------------|
