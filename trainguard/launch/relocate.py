@@ -1,9 +1,10 @@
 """The agent's side of the `recover` strategy: its line to the scheduler's AgentBoard (control/agents.py).
 
 `Relocation` is the Supervisor's (agent.py) collaborator that carries placements out. A thread syncs
-every `SYNC_PERIOD_S`: it tells the scheduler this agent's node rank, host, slots and the node ids it runs, and receives the orders for it (start worker X here, placed from another host) and the
-job's state. When a worker dies the agent asks `place()`, and the scheduler answers move (to which agent),
-in place, or fail (with the reason). Orders are queued for the agent's loop, each once (by seq).
+every `SYNC_PERIOD_S`: it tells the scheduler this agent's node rank, host, slots and the node ids it
+runs, and receives the orders for it (start worker X here, placed from another host) and the job's
+state. When a worker dies the agent asks `place()`, and the scheduler answers move (to which agent), in
+place, or fail (with the reason). Orders are queued for the agent's loop, each once (by seq).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ So each sample is drawn from its own seed, a function of (job seed, epoch, sampl
 (`sample_seed`): the same in every run, whatever worker fetches it and wherever the iterator started.
 The sampler (trainguard's DistributedSampler or ShardedSampler) yields each index as a `SampleKey`, an
 `int` that carries the seed, and each loader worker (its `worker_init_fn`, after the script's own) makes
-its copy of the dataset seed Python's, NumPy's and torch's streams from the key before each `dataset[i]`. A dataset's own
-`__getitems__` (whole-batch fetching) is turned off in the workers for that: one `__getitem__` a sample.
+its copy of the dataset seed Python's, NumPy's and torch's streams from the key before each `dataset[i]`.
+A dataset's own `__getitems__` (whole-batch fetching) is turned off in the workers for that: one
+`__getitem__` a sample.
 Nothing changes in the main process, and a dataset indexed with a plain int behaves as before. Both the
 training wrappers' `trainguard.DataLoader` and the Session's loader (`TrainState(loader=...)`) do this
 (`seed_loader_samples`) each time an iterator starts.
