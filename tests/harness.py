@@ -6,8 +6,10 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -190,3 +192,24 @@ class HandJob:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range: a port picked before its server starts (a scheduler
+    started last, a metrics endpoint) is never taken meanwhile by a process of another test binding port 0 or
+    connecting out (a loaded run once had a worker meet another test's scheduler on its port)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()  # the OS's entropy: independent of the tests' seeded streams
+    for _ in range(200):
+        port = rng.randrange(10_000, max(10_001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every pick was taken: let the kernel choose
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import JOB, HandJob, env, events, wait_for
+from harness import JOB, HandJob, env, events, free_port, wait_for
 
 import trainguard as tg
 from trainguard.control import membership as m
@@ -37,12 +36,6 @@ pytestmark = pytest.mark.timeout(120)
 
 ELSEWHERE = "elsewhere.invalid"  # fake workers' host: the scheduler never kills a pid on another host
 EXPECTED_STEPS = 32  # dp_job: 512 samples, batch 16, 2 ranks, 2 epochs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sched_env(recovery: Path, port: int, workers: int, **extra: str) -> dict[str, str]:

@@ -13,14 +13,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from harness import FAST, JOB, assert_identical, finals, wait_for
+from harness import FAST, JOB, assert_identical, finals, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "examples" / "allgather.py")
@@ -28,12 +27,6 @@ GATHER = "[[0.],[1.]]"
 CLUSTER_VARS = ("TG_", "MS_", "OMPI_", "PMI", "PMIX_", "TORCHELASTIC_", "SLURM_")
 TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from harness import JOB, REPO, env
+from harness import JOB, REPO, env, free_port
 
 from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.control.metrics import families
@@ -34,12 +33,6 @@ parser = pytest.importorskip("prometheus_client.parser")
 def cli(*args: str, timeout: float = 60, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainguard", *args], env=env(**extra), capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -6,14 +6,13 @@ Pure decisions first (placement.py), then the scheduler's AgentBoard over the wi
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from harness import assert_identical, env, events, finals, job_args
+from harness import assert_identical, env, events, finals, free_port, job_args
 
 from trainguard.config import ClusterConfig, LaunchMode, Role
 from trainguard.control import protocol as p
@@ -214,12 +213,6 @@ def test_scheduler_places_and_excludes_a_failing_host_for_the_cooldown(tmp_path,
 
 
 # --- two agents on this machine, standing for two hosts -----------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def agent(out: Path, rank: int, port: int, *, slots: int, strategy: str, faults: str, spares: int = 0,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
-from harness import HandJob, assert_identical, events, finals, launch, wait_for, wait_step
+from harness import HandJob, assert_identical, events, finals, free_port, launch, wait_for, wait_step
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -13,12 +12,6 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture
 def baseline(baseline_runs):
     return baseline_runs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check(out, workers, expected, proc=None):

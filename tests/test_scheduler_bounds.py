@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import pytest
+from harness import free_port
 
 from trainguard.config import MAX_SLOTS, ClusterConfig, LaunchMode, Role
 from trainguard.control import auth
@@ -28,12 +29,6 @@ from trainguard.testing.fuzz import fuzz_scheduler
 SECRET = b"bounds-test-secret-0123456789"
 HOST = "bounds-test-host"  # not this machine: the scheduler never signals a pid of it
 INT64_MIN = -INT64_MAX - 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

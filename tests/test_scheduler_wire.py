@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from harness import wait_for
+from harness import free_port, wait_for
 
 from trainguard.config import MAX_FRAME_BYTES, ClusterConfig, LaunchMode, Role
 from trainguard.control import auth
@@ -45,12 +45,6 @@ def listening(port: int) -> bool:
         return True
     except OSError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def in_thread(tmp_path: Path, **overrides):

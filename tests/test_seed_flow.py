@@ -16,13 +16,13 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_SH = REPO / "examples" / "run.sh"
@@ -35,12 +35,6 @@ CLUSTER_VARS = ("TG_", "MS_", "OMPI_", "PMI", "TORCHELASTIC_", "SLURM_")
 TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs bash and Linux prctl")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def script_env(port: int) -> dict[str, str]:

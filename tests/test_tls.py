@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import socket
 import ssl
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import assert_identical, env, events, finals, job_args, wait_for
+from harness import assert_identical, env, events, finals, free_port, job_args, wait_for
 
 from trainguard import tlsconfig
 from trainguard.control import tls
@@ -79,12 +78,6 @@ def client_ctx(pki, name: str, **kw) -> ssl.SSLContext:
     for key, value in kw.items():  # e.g. maximum_version
         setattr(ctx, key, value)
     return ctx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
