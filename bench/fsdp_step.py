@@ -5,8 +5,10 @@ every rank, AdamW, synthetic data, gloo on CPU.
     trainguard run --workers 2 bench/fsdp_step.py --params 5m --steps 20 --trainguard
 
 Without --trainguard it is plain torch: init_process_group("gloo"), a 1-D DeviceMesh, the loop.
-With it, the same build function and loop body run under `trainguard.ShardedJob` (live recovery,
-in-memory copies at its adaptive cadence, the stop vote): nothing else differs. Each rank times
+With it, the same script ported as a user ports it (the one engine: `trainguard.init()`, trainguard's
+`init_device_mesh` and `fully_shard`, `trainguard.Optimizer`, the loop from `trainguard.start_step()`):
+live recovery, an in-memory copy of each rank's shard on its buddy at the cadence the ranks vote, and
+the stop vote at every commit. Nothing else differs. Each rank times
 every step from the start of one to the start of the next, so the job's own work between steps
 counts. Rank 0 prints `mean step time: X ms, median Y ms (N steps after W warm-up)`: the mean is the
 figure to compare, since the in-memory copies come every few dozen steps and a median would skip them.
@@ -31,20 +33,20 @@ parser.add_argument("--params", choices=sorted(WIDTHS), default="1m")
 parser.add_argument("--steps", type=int, default=20, help="timed steps, after the warm-up")
 parser.add_argument("--warmup", type=int, default=5)
 parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-parser.add_argument("--trainguard", action="store_true", help="run the loop under trainguard.ShardedJob")
+parser.add_argument("--trainguard", action="store_true", help="run the loop on trainguard (the one engine)")
 args = parser.parse_args()
 torch.set_num_threads(1)
 H = WIDTHS[args.params]
 
 
-def build(mesh):
+def build(mesh, shard=fully_shard):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, H), nn.GELU(), nn.Linear(H, H), nn.GELU(), nn.Linear(H, H), nn.GELU(),
                           nn.Linear(H, OUT))
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            shard(layer, mesh=mesh)
+    shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -67,12 +69,12 @@ if args.trainguard:
 
     trainguard.init()
     rank, world = trainguard.get_rank(), trainguard.get_world_size()
-    job = trainguard.ShardedJob(build, trainguard.MeshSpec((world,), ("fsdp",)), max_steps=total)
-    for step in job.steps():
+    model, optimizer = build(trainguard.init_device_mesh("cpu", (world,)), trainguard.fully_shard)
+    optimizer = trainguard.Optimizer(optimizer)
+    for step in range(trainguard.start_step() + 1, total + 1):
         starts.append(time.perf_counter())
-        with step:
-            train_step(job.model, job.optimizer, step.number, rank)
-    note = f", an in-memory copy every {job.snapshot_interval} steps"
+        train_step(model, optimizer, step, rank)
+    note = f", an in-memory copy every {optimizer.guard.session.live.every} steps"
 else:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

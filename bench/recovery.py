@@ -1,8 +1,8 @@
 """MTTR and lost steps when 1 of 2 workers is killed with SIGKILL during examples/digits.py (the high
 level, which recovers in place), and during examples/trainer.py (a hand-written trainer, 3 workers: every
 rank runs the script again in its process, its committed state kept; `--no-trainer` skips it), and
-during examples/transformer_tp.py --layout fsdp2 (FSDP2 over 2 workers, side by side with data
-parallelism; `--no-sharded` skips it).
+during examples/fsdp2_tutorial.py (PyTorch's FSDP2 tutorial on the one engine, 2 layers, over 2 workers,
+side by side with data parallelism; `--no-sharded` skips it).
 
 MTTR runs from the kill itself (the `fault_injected` event the dying worker writes just before
 SIGKILLing itself) to the first training step finished after the recovery. Each configuration
@@ -29,8 +29,7 @@ from trainguard.obs.events import EventLog, summarize_recovery  # noqa: E402
 
 DIGITS = ("2", ["examples/digits.py", "--epochs", "4"])
 TRAINER = ("3", ["examples/trainer.py", "--epochs", "2", "--snapshot", "{tmp}/snapshot.pt"])
-FSDP2 = ("2", ["examples/transformer_tp.py", "--layout", "fsdp2", "--steps", "60", "--d-model", "32",
-               "--layers", "1", "--seq-len", "32"])
+FSDP2 = ("2", ["examples/fsdp2_tutorial.py", "--steps", "60", "--layers", "2", "--batch-size", "4"])
 
 
 def one_run(spares: int, kill_step: int, job=DIGITS, flags=()) -> dict:
@@ -51,7 +50,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--kill-step", type=int, default=60)
     parser.add_argument("--no-trainer", action="store_true", help="skip examples/trainer.py")
-    parser.add_argument("--no-sharded", action="store_true", help="skip examples/transformer_tp.py (FSDP2)")
+    parser.add_argument("--no-sharded", action="store_true", help="skip examples/fsdp2_tutorial.py (FSDP2)")
     args = parser.parse_args()
     results = {}
     runs = [(1, "hot spare", DIGITS, args.kill_step, ()), (0, "forked from the zygote", DIGITS, args.kill_step, ()),
@@ -59,8 +58,9 @@ def main() -> None:
     if not args.no_trainer:  # step 17 of 24: in the middle of epoch 1's training
         runs.append((1, "examples/trainer.py, 3 workers, hot spare", TRAINER, 17, ()))
     if not args.no_sharded:  # step 30 of 60
-        runs += [(1, "FSDP2 (transformer_tp.py fsdp2), hot spare", FSDP2, 30, ()),
-                 (0, "FSDP2 (transformer_tp.py fsdp2), forked from the zygote", FSDP2, 30, ())]
+        runs += [(1, "FSDP2 (fsdp2_tutorial.py), hot spare", FSDP2, 30, ()),
+                 (0, "FSDP2 (fsdp2_tutorial.py), forked from the zygote", FSDP2, 30, ()),
+                 (0, "FSDP2 (fsdp2_tutorial.py), cold process", FSDP2, 30, ("--no-zygote",))]
     for spares, label, job, kill_step, flags in runs:
         recs = [one_run(spares, kill_step, job, flags) for _ in range(args.runs)]
         mttr = [r["mttr_s"] for r in recs]

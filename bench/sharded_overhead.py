@@ -1,5 +1,5 @@
-"""What live recovery costs a sharded job: FSDP2 under `trainguard.ShardedJob` (`trainguard run`, its
-defaults: a hot spare, in-memory buddy copies at the 3% rule's cadence, the per-step stop vote)
+"""What live recovery costs a sharded job: FSDP2 on trainguard's one engine (`trainguard run`, its
+defaults: a hot spare, in-memory buddy copies at the cadence the ranks vote, the per-step stop vote)
 against plain torchrun + the same FSDP2 loop, bench/fsdp_step.py, on 2 and 4 workers. The two
 setups alternate, --runs times each; each run reports its mean step time over the steps after the
 warm-up (a mean, so that the steps that start an in-memory copy count; the timed steps span several

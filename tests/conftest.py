@@ -48,9 +48,10 @@ FAST_TESTS = (  # module::test name (a prefix: every parametrisation)
 # The longest files (wall time per file in a full run here, longest first) start first: pytest-xdist hands
 # out files in collection order, so the last ones to start, which the run waits for alone, are short.
 LONGEST_FIRST = (
-    "test_recovery", "test_graceful", "test_launch_compat", "test_real_trainer", "test_sharded_recovery",
+    "test_recovery", "test_graceful", "test_launch_compat", "test_real_trainer", "test_sharded_engine",
     "test_commit_protocol", "test_elastic", "test_cluster_errors", "test_ddp_tutorial", "test_checkpoint_job",
-    "test_transformer_tp", "test_multihost", "test_spares", "test_reshard", "test_observe", "test_zygote",
+    "test_sharded_recovery", "test_transformer_tp", "test_multihost", "test_spares", "test_reshard", "test_observe",
+    "test_zygote",
 )
 
 

@@ -123,3 +123,15 @@ def test_without_copies_the_newest_common_disk_checkpoint_else_an_error_not_a_si
 def test_a_fresh_job_starts_fresh():
     d = choose_sharded_restore({r: rep(FSDP4, r, None) for r in range(4)})
     assert d.fresh and d.step == 0 and kinds(d) == {"init"}
+
+
+def test_a_shard_map_from_the_ranks_keys_numbers_shards_in_rank_order_and_rings_buddies_across_shards():
+    from trainguard.meshspec import ShardMap
+
+    hsdp = ShardMap.of_keys([901, 77, 901, 77])  # two replicas of two shards, as HSDP (2, 2) reports them
+    assert hsdp.ids == (0, 1, 0, 1) and hsdp.replicas(3) == [1, 3]
+    assert [hsdp.buddy(r) for r in range(4)] == [1, 2, 3, 0] and [hsdp.ward(r) for r in range(4)] == [3, 0, 1, 2]
+    fsdp = ShardMap.of_keys([5, 6, 7])
+    assert fsdp.shift() == 1 and fsdp.buddy(2) == 0
+    assert ShardMap.of_keys([3, 3, 3]).buddy(0) is None  # every rank holds the same state: no copy is needed
+    assert DPxTP.shards() == ShardMap((0, 1, 0, 1)) and DPxTP.buddy(3) == 0

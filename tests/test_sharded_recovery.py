@@ -1,16 +1,10 @@
 """Live recovery of sharded layouts: real processes (`trainguard run`, 4 workers), real kill -9.
 
-examples/transformer_tp.py runs under `trainguard.ShardedJob` on dp2xtp2, fsdp4 and hsdp2x2. Each
-layout runs once uninterrupted, and once with two rounds of faults (TG_FAULT: a kill fires after
-the named step commits, in the named incarnation):
-
-- dp2xtp2: rank 1 dies (its replica, rank 3, sends shard 1); later ranks 1 and 3, both holders of
-  shard 1, die at once: no live replica, so every rank goes back to the newest in-memory copy (the
-  replacements take theirs from the buddies that hold them).
-- hsdp2x2: rank 2 dies (restored from its replica, rank 0); later ranks 0 and 1, of different
-  replica groups, die at once (from ranks 2 and 3).
-- fsdp4: no replica at all. Rank 2 dies (its copy is on its buddy, rank 3); later ranks 1 and 2 die
-  at once, and rank 1's copy died with rank 2: the job goes back to the checkpoint on disk.
+examples/transformer_tp.py runs under `trainguard.ShardedJob` (the engine that
+tests/test_sharded_engine.py's replaces) on fsdp4, once uninterrupted and once with two rounds of faults
+(TG_FAULT: a kill fires after the named step commits, in the named incarnation): no replica at all. Rank
+2 dies (its copy is on its buddy, rank 3); later ranks 1 and 2 die at once, and rank 1's copy died with
+rank 2: the job goes back to the checkpoint on disk. DP x TP and HSDP run on the one engine there.
 
 In every faulty run the final model and optimizer state (`--out`, whole tensors) is torch.equal to
 the uninterrupted run's, the recovery line names each source, and the collective timeout is 300 s
@@ -34,7 +28,7 @@ pytestmark = pytest.mark.timeout(240)
 STEPS = 10
 SMALL = ("--steps", str(STEPS), "--log-every", "1", "--d-model", "32", "--heads", "2", "--layers", "1",
          "--seq-len", "32", "--batch-size", "4")
-EVERY_2 = ("--snapshot-every", "2")  # copies at known steps; hsdp2x2 keeps the adaptive cadence (the 3% rule)
+EVERY_2 = ("--snapshot-every", "2")  # copies at known steps
 RESTORED = re.compile(r"regrouped and restored in ([0-9.]+) s")
 
 
@@ -76,11 +70,6 @@ def assert_recovered_in_time(log: str, rounds: int) -> None:
 
 
 CASES = {
-    "dp2xtp2": ("1:3:kill,1:6:kill:2,3:6:kill", ["rank 1: restored shard 1 at step 3 from rank 3's live replica",
-                                                  "in-memory copy"], EVERY_2),
-    "hsdp2x2": ("2:3:kill,0:6:kill,1:6:kill", ["rank 2: restored shard 0 at step 3 from rank 0's live replica",
-                                                "rank 0: restored shard 0 at step 6 from rank 2's live replica",
-                                                "rank 1: restored shard 1 at step 6 from rank 3's live replica"], ()),
     "fsdp4": ("2:3:kill,1:6:kill,2:6:kill:2", ["rank 2: restored shard 2 at step 2 from rank 3's in-memory copy",
                                                 "restored shard 1 at step 4 from the checkpoint on disk"],
               (*EVERY_2, "--save-steps", "4")),

@@ -36,12 +36,13 @@ _LAZY = {
     "get_local_rank": "worker.runtime", "get_group": "worker.runtime",
     "DDP": "train.parallel", "DistributedDataParallel": "train.parallel", "DataParallel": "train.parallel",
     "Optimizer": "train.guard", "DataLoader": "train.loaders", "DistributedSampler": "train.loaders",
-    "start_epoch": "train.guard", "register_state": "train.guard", "ShardedSampler": "train.data",
+    "start_epoch": "train.guard", "start_step": "train.guard", "register_state": "train.guard", "ShardedSampler": "train.data",
     "Session": "train.session", "SessionConfig": "train.session", "Step": "train.session",
     "TrainState": "train.state", "GracefulStop": "train.preempt", "StepTimeMonitor": "train.callbacks",
     "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",
     "save_sharded": "checkpoint.sharded", "load_sharded": "checkpoint.reshard",
     "init_optimizer_state": "checkpoint.reshard", "recover_rank": "checkpoint.replicas",
+    "fully_shard": "train.sharding", "parallelize_module": "train.sharding", "init_device_mesh": "train.sharding",
     "ShardedJob": "train.shardjob", "MeshSpec": "meshspec", "ShardedCheckpoints": "train.shardckpt",
 }
 # MindSpore-style names (compat/mindspore.py), reachable here too for scripts written before it

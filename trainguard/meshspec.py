@@ -77,20 +77,57 @@ class MeshSpec:
         mine = self.shard_of(rank)
         return [r for r in range(self.world_size) if self.shard_of(r) == mine]
 
+    def shards(self) -> "ShardMap":
+        """Every rank's shard id, as a ShardMap (buddies, wards)."""
+        return ShardMap(tuple(self.shard_of(r) for r in range(self.world_size)))
+
+    def shift(self) -> int | None:
+        return self.shards().shift()
+
+    def buddy(self, rank: int) -> int | None:
+        return self.shards().buddy(rank)
+
+    def ward(self, rank: int) -> int | None:
+        return self.shards().ward(rank)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardMap:
+    """Which shard of the state each rank holds (`ids[rank]`): ranks with the same id are replicas. From a
+    MeshSpec, or from what the ranks of a sharded model report (train/sharding.py)."""
+
+    ids: tuple[int, ...]
+
+    @classmethod
+    def of_keys(cls, keys) -> "ShardMap":
+        """Shard ids numbered in the order their keys first appear, rank by rank."""
+        number: dict = {}
+        return cls(tuple(number.setdefault(k, len(number)) for k in keys))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ids)
+
+    def shard_of(self, rank: int) -> int:
+        return self.ids[rank]
+
+    def replicas(self, rank: int) -> list[int]:
+        return [r for r, g in enumerate(self.ids) if g == self.ids[rank]]
+
     def shift(self) -> int | None:
         """The smallest k with every rank's state different from rank (r + k)'s; None: all the same."""
-        n = self.world_size
+        n = len(self.ids)
         for k in range(1, n):
-            if all(self.shard_of(r) != self.shard_of((r + k) % n) for r in range(n)):
+            if all(self.ids[r] != self.ids[(r + k) % n] for r in range(n)):
                 return k
         return None
 
     def buddy(self, rank: int) -> int | None:
         """The rank that keeps `rank`'s in-memory copy."""
         k = self.shift()
-        return None if k is None else (rank + k) % self.world_size
+        return None if k is None else (rank + k) % len(self.ids)
 
     def ward(self, rank: int) -> int | None:
         """The rank whose copy `rank` keeps (the inverse of buddy)."""
         k = self.shift()
-        return None if k is None else (rank - k) % self.world_size
+        return None if k is None else (rank - k) % len(self.ids)

@@ -119,9 +119,11 @@ class Exchange:
         self.busy = True
         self._jobs.put((step, tensors, meta, ready))
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0) -> bool:
+        """Ask the thread to end and wait up to `timeout` s; True once it has ended (it may be called again)."""
         self._jobs.put(None)
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:

@@ -240,7 +240,7 @@ class GradSync:
         for work in self._works:
             try:
                 work.wait()
-            except RuntimeError as exc:
+            except (RuntimeError, CollectiveFailed) as exc:  # a TypedWork fails as CollectiveFailed
                 self._fail(exc)
         self._works = []
         if self.error is not None:

@@ -41,6 +41,7 @@ from .. import rewinding
 from ..errors import CollectiveFailed, ConfigError, Rewind
 from ..worker import runtime as rt_mod
 from . import rewind as rewind_mod
+from . import sharding
 from .checkpointing import CheckpointConfig, ExceptionCheckpoint
 from .parallel import DataParallel
 from .session import Session, SessionConfig
@@ -59,9 +60,10 @@ class Guard:
     def __init__(self, optimizer: "Optimizer"):
         self.optimizer = optimizer
         self.session: Session | None = None
-        self.model: DataParallel | None = None
+        self.model: torch.nn.Module | None = None  # a DataParallel, or a sharded model (train/sharding.py)
         self.stateful: dict[str, object] = dict(_pending_state)
         self._armed = None
+        self._hook = None  # the forward pre-hook on a sharded model
         self.in_step = False
         self.step_loader: int | None = None  # the loader whose batch began this step
         self.recent_loader: int | None = None  # the last loader a training batch came from since the last commit
@@ -75,7 +77,11 @@ class Guard:
         if self.session is not None:
             return self.session
         opt = self.optimizer
-        self.model = model = _model_of(opt.optimizer)
+        self.model = model = _model_of(opt.optimizer) or sharding.model_of(opt.optimizer)
+        if model is None and any(sharding.is_sharded_tensor(p) for g in opt.param_groups for p in g["params"]):
+            raise ConfigError("the optimizer's parameters are sharded (DTensors), but trainguard does not know their "
+                              "model: call trainguard.fully_shard / trainguard.parallelize_module instead of torch's "
+                              "(the same arguments)")
         state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler, extra=self.stateful)
         rt = rt_mod.current()
         callbacks = []
@@ -87,8 +93,11 @@ class Guard:
         session.user_loop = True
         session.rewinds = rewinding.available()
         self.session = session
-        if model is not None:
+        if isinstance(model, DataParallel):
             model.on_forward = self.before_forward
+        elif model is not None:
+            self._hook = model.register_forward_pre_hook(lambda _m, _args: self.before_forward(), prepend=True)  # before
+            # FSDP2 gathers the parameters: a copy taken at the step's start reads the sharded ones
         self._armed = session.stop.armed()
         self._armed.__enter__()  # SIGTERM/SIGINT/SIGUSR1: a graceful stop at the next commit point
         session.start()
@@ -101,8 +110,11 @@ class Guard:
             self._armed.__exit__(None, None, None)
             self._armed = None
         atexit.unregister(self._at_exit)
-        if self.model is not None:
+        if isinstance(self.model, DataParallel):
             self.model.on_forward = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def before_forward(self) -> None:
         """A training forward begins the step; an eval forward (no grad, or eval mode) is only a check."""
@@ -163,9 +175,9 @@ class Guard:
             session.end_step(exc)  # rewinds, or (started by hand) recovers in place
             self._resync = self._hyperparameters()  # the script's scheduler.step() after this must not count
             return None
+        if session.train_loader is None and self.step_loader is not None:  # before the commit: its copies and
+            session.train_loader = self.step_loader  # checkpoints name the loader that drives the steps from now on
         session.end_step(None, batches)
-        if session.train_loader is None and self.step_loader is not None:
-            session.train_loader = self.step_loader  # the loader that drives the steps, from now on
         self.recent_loader = None
         return result
 
@@ -331,3 +343,11 @@ def start_epoch(default: int = 0) -> int:
               f"{default}). Remove the script's own snapshot loading, or keep it for runs without trainguard",
               file=sys.stderr, flush=True)
     return session.epoch
+
+
+def start_step(default: int = 0) -> int:
+    """The step this process's loop starts at, for a loop over steps rather than epochs
+    (`for step in range(trainguard.start_step(), steps)`): the committed steps where the job is (a
+    replacement, a rerun, the script run again after a fault), else `default`."""
+    session = current().ensure_started()
+    return session.step if session.step else default

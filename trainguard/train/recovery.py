@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..checkpoint.blob import unpack
 from ..control.outcomes import RestoreDecision, SourceKind
-from ..control.reports import RestoreReport
+from ..control.reports import RestoreReport, ShardedRestoreReport
 from ..errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
 from ..worker.transfer import broadcast_int, recv_bytes, send_bytes
 from . import phase as elastic
@@ -37,8 +37,12 @@ class Recovery:
 
     def report(self) -> RestoreReport:
         session = self.session
-        return RestoreReport(step=session.step if session.holds_state else None,
-                             disk=session.disk_sources.complete_steps(), node=session.rt.node_id)
+        step = session.step if session.holds_state else None
+        disk = session.disk_sources.complete_steps()
+        if session.live is not None:  # a sharded model: which shard this rank holds, and the copies it keeps
+            return ShardedRestoreReport(step=step, shard=session.live.shard(), memory=session.live.copies.held(),
+                                        disk=disk, node=session.rt.node_id)
+        return RestoreReport(step=step, disk=disk, node=session.rt.node_id)
 
     def count_retry(self, reason: str) -> None:
         """A recovery with the same processes as before is a retry; past the limit, escalate."""
@@ -75,6 +79,8 @@ class Recovery:
                     rt.form()
                     self.count_retry(reason or "membership changed")
                 form = True
+                if session.live is not None:
+                    session.live.attach()  # this generation's shard map and copy exchange (collective)
                 t_agree = time.monotonic()
                 decision = rt.client.agree(rt.generation, "restore", self.report(), session.cfg.agree_timeout)
                 if decision.error is not None:
@@ -103,26 +109,27 @@ class Recovery:
         s = decision.step
         mine = decision.source(rt.rank)
         kind = mine.kind
-        own = None
+        taken = None
+        live = session.live
+        received = live.transfer(decision) if live is not None else None  # sharded: every pair, in one order
         if kind is SourceKind.PEER:
-            blob = unpack(recv_bytes(mine.peer, rt.group), "peer state")
-            session.state.load_shared(blob["shared"])
-            own = blob["own"]
+            taken = unpack(received if live is not None else recv_bytes(mine.peer, rt.group), "peer state")
+        elif kind is SourceKind.MEMORY:  # sharded: this rank's own copy of an earlier step
+            taken = unpack(live.own_copy(s), f"the in-memory copy of step {s}")
         elif kind is SourceKind.DISK:
-            loaded = session.disk_sources.load(s)
-            session.state.load_shared(loaded["shared"])
-            own = loaded["own"]
+            taken = session.disk_sources.load(s)
         elif kind is SourceKind.INIT:  # a fresh job: everyone starts from rank 0's parameters and seed
             if session.sync is not None:
                 session.state.model.broadcast_from(0, rt.group)
             session.seed = broadcast_int(job_seed(), 0, rt.group)
-        serve = decision.served_by(rt.rank)
+        serve = decision.served_by(rt.rank) if live is None else []
         if serve:
             blob = session.pack_live()
             for q in serve:
                 send_bytes(blob, q, rt.group)
-        if own is not None:
-            session.take_progress(own)
+        if taken is not None:
+            session.state.load_shared(taken["shared"])
+            session.take_progress(taken["own"])
         elif not session.phase.shards:  # a fresh start: the phase of this world
             session.phase = elastic.Phase.of({}, rt.world_size)
         if session.sync is not None:
@@ -137,9 +144,14 @@ class Recovery:
         if session.state.loader is not None and session.in_epoch > 0 and not session.user_loop:
             session.iterator = session.make_iter()  # creating an iterator draws from the RNG: do it before seeding
         reseed(session.seed, rt.rank, session.step)
-        session.rng_touched = True  # and again where the step begins: the code before it may differ from the run that failed
+        # the stream of the step after s is now where the commit of s left it in a run without a fault: the script's
+        # own draws before its next forward (a batch it makes itself) continue it, as they did there
+        session.rng_touched = False
         session.source = mine.words()
-        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind.value)
+        if live is not None:
+            live.restored()  # every rank copies the step it now holds
+        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind.value, peer=mine.peer,
+                       copy=None if mine.origin is None else mine.origin.value)
         if rt.rank == 0:
             rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.from_step,
                            fresh=decision.fresh)

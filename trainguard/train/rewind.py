@@ -105,7 +105,12 @@ def prepare(exc: BaseException) -> bool:
     _live = None
     global _loaders_made
     _loaders_made = 0  # the script's next run makes its loaders again, in the same order
+    copies = session.live if session is not None else None  # a sharded model's copy exchange
+    if copies is not None:
+        copies.close(0.2)
     rt.leave(reason)
+    if copies is not None:
+        copies.close()  # a round blocked on a peer ended when the group was cut
     rt.events.emit("rewind", generation=rt.generation, rank=rt.rank, step=step)
     print(f"trainguard: rank {rt.rank}: back to step {step} ({reason[:200]}); running the script again",
           file=sys.stderr, flush=True)

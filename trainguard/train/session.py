@@ -40,16 +40,18 @@ from ..errors import (
     Rewind,
 )
 from ..worker import runtime as rt_mod
-from ..worker.transfer import all_max
+from ..worker.transfer import all_max, all_max_each
 from . import parallel_strategy, rewind
 from . import phase as elastic
 from .checkpointing import DiskSources
 from .data import sampler_of
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
+from .livecopies import LiveCopies
 from .loaderseed import seed_loader_samples
 from .parallel import DataParallel
 from .progress import ProgressEvents
 from .recovery import Recovery
+from .sharding import is_sharded
 from .snapshots import Snapshot
 from .state import TrainState, reseed
 from .step import SessionConfig, Step, is_collective_failure
@@ -88,6 +90,7 @@ class Session:
         self.pass_ended = False  # the training loader's pass over this epoch ran to its end in this process
         self.rng_touched = False  # something ran since the streams were seeded (eval, a restore, an epoch's end)
         self._pending: str | None = None  # a recovery noticed after a commit, deferred to the next step
+        self._stop_pending = 0  # a stop the job voted at a commit, deferred to the next step (the user's own loop)
         self._applied = False  # the optimizer applied this step's update
         self.iterator = None
         self.sampler = sampler_of(state.loader)
@@ -105,6 +108,11 @@ class Session:
                               "this session has nowhere to write it: add ModelCheckpoint(..., CheckpointConfig("
                               "exception_save=True)) or ExceptionCheckpoint(...) to its callbacks")
         self.sync = state.model.sync if isinstance(state.model, DataParallel) else None
+        state.sharded = state.sharded or is_sharded(state.model)
+        self.live = LiveCopies(self) if state.sharded else None  # ranks hold parts: copies, shard map
+        if self.live is not None and (state.optimizer is None or self.strategy.elastic):
+            raise ConfigError("a sharded model (FSDP2, HSDP, DP x TP) needs its optimizer in the state, and runs at "
+                              "a fixed world size: the elastic recover strategy cannot split its shards")
         self.buffers = state.model.buffer_guard if isinstance(state.model, DataParallel) else None
         if self.sync is not None:
             self.sync.control = lambda: self.stop.signum  # the stop vote rides in the gradient all-reduce
@@ -164,6 +172,8 @@ class Session:
             cb.on_phase(self, name)
 
     def _before_update(self, _opt, _args, _kwargs) -> None:
+        if self.live is not None:
+            self.live.before_update()
         self.phase_point("after_exchange")
         if self.sync is not None:
             self.sync.result()  # raises CollectiveFailed: the update is not applied
@@ -175,6 +185,9 @@ class Session:
     def start(self) -> None:
         """Join the job's state: fresh, from a peer, or from disk (every rank together). After a rewind this
         process's committed state, kept from the script's last run, is this rank's live state."""
+        if self.live is not None and not self.rewinds:
+            raise ConfigError("a sharded model recovers by running the script again from its committed step, which "
+                              "needs the script started by `trainguard run` (a hand or torchrun launch cannot)")
         kept = rewind.take_kept()
         if kept is not None:
             self.adopt(kept)
@@ -203,7 +216,9 @@ class Session:
                 self.end_step(step.failure)
 
     def before_step(self) -> None:
-        """Run a recovery deferred from the last commit (hand-written loops)."""
+        """Run a stop or a recovery deferred from the last commit (hand-written loops)."""
+        if self._stop_pending:
+            stop_gracefully(self, self._stop_pending)
         if self._pending is not None:
             reason, self._pending = self._pending, None
             if self.rewinds:
@@ -218,6 +233,8 @@ class Session:
             if hasattr(cb, "on_step_begin"):
                 cb.on_step_begin(self, step)
         self.phase_point("before_exchange")
+        if self.live is not None:
+            self.live.begin_step()
         return step
 
     def end_step(self, failure: BaseException | None, batches: int = 1) -> None:
@@ -236,7 +253,9 @@ class Session:
             except CollectiveFailed as exc:
                 failure = exc
             else:
-                if stop and not self.done():  # after the last step: just finish
+                if stop and self.user_loop:  # the script's code after optimizer.step() (its scheduler.step())
+                    self._stop_pending = stop  # belongs to the step: stop where the next one begins
+                elif stop and not self.done():  # after the last step: just finish
                     stop_gracefully(self, stop)
                 if self.rt.membership_changed():
                     self._recover_after(committed=True, reason="")
@@ -283,7 +302,10 @@ class Session:
         """Events and callbacks of a committed step; returns the stop vote (a signal number or 0)."""
         self.recovery.retries = 0
         sync = self.sync
-        if sync is not None and sync.controls_fresh():
+        if self.live is not None:  # the stop vote and the snapshot cadence, in one all-reduce
+            stop, every = all_max_each([self.stop.signum, self.live.proposal()], self.rt.group)
+            self.live.after_commit(every)
+        elif sync is not None and sync.controls_fresh():
             stop = max(sync.controls)
         else:  # no gradient exchange this step carried the vote
             stop = all_max(self.stop.signum, self.rt.group)
@@ -321,14 +343,22 @@ class Session:
         """This rank's committed state, as sent to a peer (and kept across a rewind)."""
         return pack({"shared": self.state.capture_shared(), "own": self.own()})
 
-    def adopt(self, blob: bytes) -> None:
-        """Take a committed state kept from this process's previous run of the script (a rewind): the new
-        objects hold it before the job agrees, and this rank reports it as its live state."""
-        state = unpack(blob, "kept state")
+    def flat_live(self) -> tuple[dict, dict]:
+        """`pack_live`'s content flattened, its tensors the live ones (an in-memory copy clones them)."""
+        return flatten_state({"shared": self.state.capture_shared(), "own": self.own()}, copy=False)
+
+    def take_blob(self, blob: bytes, what: str) -> None:
+        """Load a committed state packed by `pack_live` (a peer's, a kept one, an in-memory copy)."""
+        state = unpack(blob, what)
         self.state.load_shared(state["shared"])
         self.take_progress(state["own"])
         if self.buffers is not None:
             self.buffers.refresh()
+
+    def adopt(self, blob: bytes) -> None:
+        """Take a committed state kept from this process's previous run of the script (a rewind): the new
+        objects hold it before the job agrees, and this rank reports it as its live state."""
+        self.take_blob(blob, "kept state")
         self.holds_state = True
 
     def _recover(self, *, form: bool, reason: str) -> None:

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.blob import pack, unpack
-from ..control.outcomes import CopyKind, RestoreDecision, SourceKind
+from ..control.outcomes import RestoreDecision, SourceKind
 from ..control.reports import FinishReport, ShardedRestoreReport
 from ..errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
 from ..worker.sever import open_sockets
-from ..worker.transfer import broadcast_int, recv_bytes, send_bytes
+from ..worker.transfer import broadcast_int
 from . import shardstate
 from .buddy import Exchange
+from .livecopies import walk_transfers
 from .state import job_seed, reseed
 
 if TYPE_CHECKING:
@@ -177,24 +178,10 @@ class Recovery:
         job.snapshot_round(agreed=True)  # every rank, at once: a copy of the step everyone now holds
 
     def _transfer(self, s: int, decision: RestoreDecision, live: dict | None) -> bytes | None:
-        job, rank = self.job, self.job.rt.rank
-        pairs = sorted((src.peer, r) for r, src in enumerate(decision.sources) if src.kind is SourceKind.PEER)
-        got, packed_live = None, None
-        for q, r in pairs:
-            if q == rank:
-                if decision.source(r).origin is CopyKind.LIVE:
-                    if packed_live is None:
-                        packed_live = pack({"part": live, "seed": job.seed, "step": s})
-                    data = packed_live
-                else:
-                    data = job.copies.get(job.spec.shard_of(r), s)
-                    if data is None:
-                        raise RecoveryError(f"rank {rank} was to send its in-memory copy of shard "
-                                            f"{job.spec.shard_of(r)} at step {s} but no longer holds it")
-                send_bytes(data, r, job.rt.group)
-            elif r == rank:
-                got = recv_bytes(q, job.rt.group)
-        return got
+        job = self.job
+        return walk_transfers(decision, job.rt.rank, job.rt.group,
+                              lambda: pack({"part": live, "seed": job.seed, "step": s}),
+                              lambda r: job.copies.get(job.spec.shard_of(r), s))
 
     def finish(self) -> bool:
         """The last barrier: True when everyone reached the end; False after a late failure sent us back to

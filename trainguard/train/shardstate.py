@@ -68,11 +68,11 @@ def _same_keys(what: str, have, got) -> None:
     if set(have) != set(got):
         missing, extra = sorted(set(have) - set(got))[:5], sorted(set(got) - set(have))[:5]
         raise RecoveryError(f"the {what} does not match the rebuilt modules (missing {missing}, unexpected {extra}): "
-                            "the build function must build the same modules every time")
+                            "the script must build the same modules every time it runs")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise RecoveryError(f"{name}: the rebuilt tensor is {tuple(dst.shape)} {dst.dtype}, the saved part "
-                            f"{tuple(src.shape)} {src.dtype}: the build function must build the same layout every time")
+                            f"{tuple(src.shape)} {src.dtype}: the script must build the same layout every time it runs")
     dst.copy_(src)

@@ -1,7 +1,9 @@
 """What a training job must get back after a failure, and how to take and give it.
 
 `TrainState` names the objects; `capture_shared`/`load_shared` cover what data-parallel ranks
-hold in common (model, optimizer, LR scheduler, extras). Nothing is each rank's own: the random
+hold in common (model, optimizer, LR scheduler, extras). With a sharded model (`sharded`: FSDP2,
+HSDP, DP x TP) the model and optimizer are this rank's part instead, as local tensors
+(train/shardstate.py), and the rest is as before. Nothing is each rank's own: the random
 streams are re-seeded at every step from (job seed, rank, step) by `reseed`.
 """
 
@@ -16,6 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import RecoveryError
+from . import shardstate
+
 SEED_RANGE = 1 << 63
 
 
@@ -26,11 +31,16 @@ class TrainState:
     scheduler: Any = None  # torch.optim.lr_scheduler.LRScheduler or anything with state_dict()
     loader: torch.utils.data.DataLoader | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # more objects with state_dict()/load_state_dict()
+    sharded: bool = False  # the model holds DTensors: model and optimizer are this rank's part (train/sharding.py)
 
     def capture_shared(self) -> dict:
-        out: dict[str, Any] = {"model": self.model.state_dict()}
-        if self.optimizer is not None:
-            out["optimizer"] = self.optimizer.state_dict()
+        """The objects' states; the tensors are the live ones (a caller that keeps them copies them)."""
+        if self.sharded:
+            out: dict[str, Any] = {"part": shardstate.capture(self.model, self.optimizer, copy=False)}
+        else:
+            out = {"model": self.model.state_dict()}
+            if self.optimizer is not None:
+                out["optimizer"] = self.optimizer.state_dict()
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.state_dict()
         if self.extra:
@@ -38,9 +48,16 @@ class TrainState:
         return out
 
     def load_shared(self, shared: dict) -> None:
-        self.model.load_state_dict(shared["model"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(shared["optimizer"])
+        if self.sharded != ("part" in shared):
+            raise RecoveryError("this state was saved by a " + ("data-parallel" if self.sharded else "sharded") +
+                                " run and this run's model is " + ("sharded" if self.sharded else "not sharded") +
+                                ": resume it with the layout that saved it, or convert it with trainguard ckpt")
+        if self.sharded:
+            shardstate.load(self.model, self.optimizer, shared["part"])
+        else:
+            self.model.load_state_dict(shared["model"])
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(shared["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(shared["scheduler"])
         for k, v in self.extra.items():

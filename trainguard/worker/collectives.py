@@ -12,8 +12,10 @@ milliseconds, not at gloo's timeout). A new generation starts clean.
 
 What this changes for the script: a collective that fails raises `CollectiveFailed` (a
 `TrainguardError`) instead of `RuntimeError`. Under `trainguard run` that exception sends the
-script back to its committed step (train/rewind.py). Asynchronous calls (`async_op=True`) report
-their failure at `wait()`, untyped; trainguard's own gradient exchange records those itself.
+script back to its committed step (train/rewind.py). An asynchronous call (`async_op=True`, as FSDP2
+makes its all-gathers and reduce-scatters) returns a `TypedWork`, a torch `Work` whose `wait()`
+raises the same way. DTensor's functional collectives (tensor parallelism) bypass those functions:
+their launch and their `wait_tensor` in `torch.distributed._functional_collectives` are wrapped too.
 
 The functions are replaced on the `torch.distributed` module (and `distributed_c10d`, where torch's
 own helpers find them), so a name imported before `trainguard.init()` (`from torch.distributed
@@ -33,7 +35,10 @@ from ..errors import CollectiveFailed
 NAMES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
          "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
          "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv",
-         "monitored_barrier")
+         "monitored_barrier", "all_gather_single", "reduce_scatter_single")
+# DTensor's functional collectives: launched by these, waited for by wait_tensor (module globals, found at call time)
+FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
+              "wait_tensor", "all_reduce_coalesced", "all_gather_tensor_coalesced", "reduce_scatter_tensor_coalesced")
 
 _lock = threading.Lock()
 _installed = False
@@ -59,6 +64,58 @@ observers: list = []  # callables (name) run before each synchronous collective:
 _generation = lambda: -1  # noqa: E731  the current generation (set by install)
 
 
+def _typed(name: str, gen: int, call, *args, **kwargs):
+    """`call(*args, **kwargs)` with a RuntimeError as `CollectiveFailed`, and a broken generation failing at once."""
+    first = failures.failed(gen)
+    if first is not None:  # the generation is broken: no waiting on peers that left
+        raise CollectiveFailed(f"{name}: generation {gen} already failed ({first})") from first
+    try:
+        return call(*args, **kwargs)
+    except CollectiveFailed:
+        raise
+    except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError (DistError is one)
+        failed = CollectiveFailed(f"{name} failed in generation {gen}: {str(exc)[:300]}")
+        failures.record(gen, failed)
+        raise failed from exc
+
+
+class TypedWork(dist.Work):
+    """An asynchronous collective's handle whose `wait()` fails as `CollectiveFailed` (see the module docstring).
+    It is a torch `Work`, so code that checks `isinstance(work, dist.Work)` (FSDP2) still waits on it."""
+
+    def __init__(self, work: dist.Work, name: str, generation: int):
+        super().__init__()
+        self.work, self.name, self.generation = work, name, generation
+
+    def wait(self, timeout=None) -> bool:
+        args = () if timeout is None else (timeout,)
+        return _typed(self.name, self.generation, self.work.wait, *args)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.work.is_success()
+
+    def exception(self):
+        return self.work.exception()
+
+    def source_rank(self) -> int:
+        return self.work.source_rank()
+
+    def result(self):
+        return self.work.result()
+
+    def synchronize(self) -> None:
+        self.work.synchronize()
+
+    def get_future(self):
+        return self.work.get_future()
+
+    def block_current_stream(self) -> None:
+        self.work.block_current_stream()
+
+
 def _wrap(name: str, fn):
     @functools.wraps(fn)
     def collective(*args, **kwargs):
@@ -66,20 +123,22 @@ def _wrap(name: str, fn):
             for observe in observers:
                 observe(name)
         gen = _generation()
-        first = failures.failed(gen)
-        if first is not None:  # the generation is broken: no waiting on peers that left
-            raise CollectiveFailed(f"{name}: generation {gen} already failed ({first})") from first
-        try:
-            return fn(*args, **kwargs)
-        except CollectiveFailed:
-            raise
-        except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError (DistError is one)
-            failed = CollectiveFailed(f"{name} failed in generation {gen}: {str(exc)[:300]}")
-            failures.record(gen, failed)
-            raise failed from exc
+        out = _typed(name, gen, fn, *args, **kwargs)
+        if isinstance(out, dist.Work) and not isinstance(out, TypedWork):
+            return TypedWork(out, name, gen)
+        return out
 
     collective.__trainguard_wrapped__ = fn
     return collective
+
+
+def _wrap_functional(name: str, fn):
+    @functools.wraps(fn)
+    def functional(*args, **kwargs):
+        return _typed(f"functional {name}", _generation(), fn, *args, **kwargs)
+
+    functional.__trainguard_wrapped__ = fn
+    return functional
 
 
 def install(generation) -> None:
@@ -97,4 +156,12 @@ def install(generation) -> None:
             setattr(c10d, name, wrapped)
             if getattr(dist, name, None) is fn:
                 setattr(dist, name, wrapped)
+        try:
+            from torch.distributed import _functional_collectives as funcol
+        except ImportError:  # a torch without DTensor
+            funcol = None
+        for name in FUNCTIONAL if funcol is not None else ():
+            fn = getattr(funcol, name, None)
+            if fn is not None and not hasattr(fn, "__trainguard_wrapped__"):
+                setattr(funcol, name, _wrap_functional(name, fn))
         _installed = True

@@ -77,6 +77,24 @@ def all_max(flag: int, group: dist.ProcessGroup) -> int:
 
 
 @_typed
+def all_max_each(values: list[int], group: dist.ProcessGroup) -> list[int]:
+    """The largest of every rank's value, position by position (one small all-reduce for several votes)."""
+    t = torch.tensor(values, dtype=torch.int64, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+@_typed
+def all_gather_ints(value: int, group: dist.ProcessGroup, world_size: int) -> list[int]:
+    """Every rank's int64, in rank order."""
+    dev = _device(group)
+    out = torch.zeros(world_size, dtype=torch.int64, device=dev)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before torch 2.10
+    gather(out, torch.tensor([value], dtype=torch.int64, device=dev), group=group)
+    return [int(v) for v in out.tolist()]
+
+
+@_typed
 def broadcast_int(value: int, src: int, group: dist.ProcessGroup) -> int:
     """`src`'s value on every rank."""
     t = torch.tensor([value], dtype=torch.int64, device=_device(group))

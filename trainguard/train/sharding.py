@@ -1,0 +1,119 @@
+"""Sharded models on the one engine: the user's own FSDP2, HSDP and DP x TP, in the user's own loop.
+
+    from trainguard import fully_shard, init_device_mesh        # torch's calls, the same arguments
+    trainguard.init()
+    mesh = init_device_mesh("cpu", (world_size,))                # or (2, 2) with names, for HSDP / DP x TP
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)                                # or parallelize_module(model, mesh["tp"], plan)
+    optimizer = trainguard.Optimizer(torch.optim.AdamW(model.parameters()), lr_scheduler=sched)
+
+The drop-ins call torch's functions and note the module, so the optimizer's wrapper finds the model
+whose state is the job's (as it finds a `trainguard.DDP`), and `init_device_mesh` lets the mesh's
+own groups be cut with the generation's (a collective blocked in one fails at once, not at gloo's
+timeout). Everything else is the data-parallel engine's: a fault sends the script back to its
+committed step (train/rewind.py), where it builds its mesh, modules and optimizer again and they are
+refilled from the committed state; the position, seeds, loaders and scheduler come back the same way.
+
+What differs is that ranks hold different state. Each rank's part is its local tensors (a DTensor's
+local shard, nothing gathered: train/shardstate.py), and the ranks tell which of them hold the same
+part (`shard_keys`): replicas, such as HSDP's replicate dimension, can restore each other, and every
+rank keeps an in-memory copy of one other shard (train/livecopies.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..meshspec import ShardMap
+from ..worker import runtime as rt_mod
+from ..worker.sever import open_sockets
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # a torch without DTensor: nothing is sharded
+    DTensor = Replicate = ()  # type: ignore[assignment,misc]
+
+_noted: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def fully_shard(module, *args, **kwargs):
+    """torch's `fully_shard`, the module noted as a candidate for the job's model."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    out = torch_fully_shard(module, *args, **kwargs)
+    for m in out if isinstance(out, list) else [out]:
+        _noted.add(m)
+    return out
+
+
+def parallelize_module(module, *args, **kwargs):
+    """torch's `parallelize_module`, the module noted as a candidate for the job's model."""
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    out = torch_parallelize(module, *args, **kwargs)
+    _noted.add(out)
+    return out
+
+
+def init_device_mesh(device_type: str, mesh_shape, *args, **kwargs):
+    """torch's `init_device_mesh`; the sockets of the groups it opens are cut with this generation's."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+
+    rt = rt_mod.active()
+    before = open_sockets()
+    mesh = torch_init_device_mesh(device_type, tuple(mesh_shape), *args, **kwargs)
+    if rt is not None and rt.backend == "gloo":  # NCCL's own connections are not ours to cut (it is aborted)
+        rt.track_sockets(before)
+    return mesh
+
+
+def model_of(optimizer: torch.optim.Optimizer) -> nn.Module | None:
+    """The outermost noted module holding the optimizer's parameters (None: no sharded model is noted)."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    best, most = None, 0
+    for m in list(_noted):
+        n = sum(1 for p in m.parameters() if id(p) in params)
+        if n > most:
+            best, most = m, n
+    return best
+
+
+def is_sharded_tensor(t) -> bool:
+    return bool(DTensor) and isinstance(t, DTensor)
+
+
+def is_sharded(model: nn.Module | None) -> bool:
+    """The model holds DTensors: its ranks hold parts of the state, not the same state."""
+    return model is not None and bool(DTensor) and any(isinstance(t, DTensor) for t in model.state_dict().values())
+
+
+def shard_key(model: nn.Module, rank: int) -> int:
+    """What identifies the part of the state this rank holds: two ranks with the same key hold the same part.
+
+    A DTensor's local part depends on this rank's coordinates along the mesh dimensions it is not replicated
+    on. A plain tensor in the model's state (a BatchNorm's statistics, a parameter outside any sharding) may
+    differ between ranks, so a model with one counts every rank as its own shard."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in model.state_dict().items():
+        if not isinstance(t, DTensor):
+            if t.is_floating_point() or t.is_complex():
+                h.update(f"rank {rank}".encode())
+                break
+            continue
+        coords = t.device_mesh.get_coordinate() or ()
+        mine = [c for c, p in zip(coords, t.placements) if not isinstance(p, Replicate)]
+        h.update(f"{name}:{mine};".encode())
+    return int.from_bytes(h.digest(), "little") >> 1  # fits an int64
+
+
+def shard_map(model: nn.Module, group: dist.ProcessGroup, rank: int, world_size: int) -> ShardMap:
+    """Every rank's shard id in this generation (one small all-gather; collective)."""
+    from ..worker.transfer import all_gather_ints
+
+    return ShardMap.of_keys(all_gather_ints(shard_key(model, rank), group, world_size))
