@@ -72,6 +72,11 @@ class HostCopy:
         self._stream = None
         self._done = None  # the event of a copy the next in-place update must wait for
 
+    @property
+    def on_device(self) -> bool:
+        """The part lives on a GPU: the exchange thread's work then runs on host cores the training leaves idle."""
+        return self._stream is not None
+
     def fence(self) -> None:
         if self._done is not None:
             torch.cuda.current_stream().wait_event(self._done)

@@ -9,9 +9,10 @@ the script builds its modules again and the copies of the steps before are what 
 At a snapshot step every rank copies its part to host memory (on CUDA into pinned buffers off the
 compute stream: buddy.HostCopy), and the exchange thread packs it, keeps it, and swaps it with its
 buddy's over a side group (train/buddy.py). The ranks snapshot at the same steps: the cadence rides in
-the commit point's stop vote (one small all-reduce), every step unless the step's own wait for the host
-copy would exceed 3% of the step's time (the thread's work overlaps the next steps), and a round is
-skipped while some rank's last one is still in flight. A committed step is copied when the next one
+the commit point's stop vote (one small all-reduce), as often as keeps the copies within 3% of the
+steps' time, and a round is skipped while some rank's last one is still in flight. What counts is the
+step's own wait for the host copy, and on CPU the thread's work too (it takes cores from the training);
+on a GPU the thread works on host cores the training leaves idle, so there a copy can follow every step. A committed step is copied when the next one
 begins, after the script's code that follows `optimizer.step()` (its `scheduler.step()`).
 
 A restore's transfers follow one global order (the decision's (sender, receiver) pairs, sorted), which
@@ -101,7 +102,8 @@ class LiveCopies:
         ex = self.exchange
         if ex is None or ex.busy:
             return BUSY
-        return propose_every(self.snap_wait, 0.0, self.step_s)  # the thread's work overlaps the steps
+        # on a GPU the thread's work overlaps the steps on idle host cores; on CPU it takes cores from the training
+        return propose_every(self.snap_wait, 0.0 if self.host.on_device else ex.work_s, self.step_s)
 
     def after_commit(self, voted: int) -> None:
         """Every rank, with the vote every rank got: take a copy of this committed step if it is due."""
