@@ -91,3 +91,20 @@ def test_every_collective_comes_out_typed_and_a_failed_generation_fails_at_once(
                               env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
     outs = [p.communicate(timeout=50)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0] and outs[0].strip() == "typed", outs
+
+
+def test_a_state_of_another_layout_is_refused_with_the_reason_before_anything_is_loaded():
+    """A data-parallel checkpoint offered to a sharded model (or the reverse) is a deterministic error: ConfigError
+    (exit 78, no restart), naming both layouts, and the model is left as it was."""
+    from trainguard.train.state import TrainState
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sharded = TrainState(model=model, optimizer=opt, sharded=True)
+    with pytest.raises(tg.ConfigError, match="saved by a data-parallel run and this run's model is sharded"):
+        sharded.load_shared({"model": {k: torch.zeros_like(v) for k, v in before.items()}, "optimizer": {}})
+    plain = TrainState(model=model, optimizer=opt)
+    with pytest.raises(tg.ConfigError, match="saved by a sharded run and this run's model is not sharded"):
+        plain.load_shared({"part": {}})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -186,8 +186,10 @@ class Session:
         """Join the job's state: fresh, from a peer, or from disk (every rank together). After a rewind this
         process's committed state, kept from the script's last run, is this rank's live state."""
         if self.live is not None and not self.rewinds:
-            raise ConfigError("a sharded model recovers by running the script again from its committed step, which "
-                              "needs the script started by `trainguard run` (a hand or torchrun launch cannot)")
+            raise ConfigError("a sharded model recovers by running the script again from its committed step: drive "
+                              "it from your own loop with trainguard.Optimizer, started by `trainguard run` (the "
+                              "Session API and hand or torchrun launches recover in place, which a sharded model "
+                              "cannot)")
         kept = rewind.take_kept()
         if kept is not None:
             self.adopt(kept)

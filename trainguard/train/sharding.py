@@ -17,7 +17,7 @@ refilled from the committed state; the position, seeds, loaders and scheduler co
 
 What differs is that ranks hold different state. Each rank's part is its local tensors (a DTensor's
 local shard, nothing gathered: train/shardstate.py), and the ranks tell which of them hold the same
-part (`shard_keys`): replicas, such as HSDP's replicate dimension, can restore each other, and every
+part (`shard_key`): replicas, such as HSDP's replicate dimension, can restore each other, and every
 rank keeps an in-memory copy of one other shard (train/livecopies.py).
 """
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.reshard import init_optimizer_state
-from ..errors import RecoveryError
+from ..errors import ConfigError
 
 try:
     from torch.distributed.tensor import DTensor
@@ -67,12 +67,12 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, part: dict) -> None
 def _same_keys(what: str, have, got) -> None:
     if set(have) != set(got):
         missing, extra = sorted(set(have) - set(got))[:5], sorted(set(got) - set(have))[:5]
-        raise RecoveryError(f"the {what} does not match the rebuilt modules (missing {missing}, unexpected {extra}): "
+        raise ConfigError(f"the {what} does not match the rebuilt modules (missing {missing}, unexpected {extra}): "
                             "the script must build the same modules every time it runs")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape or dst.dtype != src.dtype:
-        raise RecoveryError(f"{name}: the rebuilt tensor is {tuple(dst.shape)} {dst.dtype}, the saved part "
+        raise ConfigError(f"{name}: the rebuilt tensor is {tuple(dst.shape)} {dst.dtype}, the saved part "
                             f"{tuple(src.shape)} {src.dtype}: the script must build the same layout every time it runs")
     dst.copy_(src)

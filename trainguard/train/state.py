@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import RecoveryError
+from ..errors import ConfigError
 from . import shardstate
 
 SEED_RANGE = 1 << 63
@@ -49,9 +49,9 @@ class TrainState:
 
     def load_shared(self, shared: dict) -> None:
         if self.sharded != ("part" in shared):
-            raise RecoveryError("this state was saved by a " + ("data-parallel" if self.sharded else "sharded") +
-                                " run and this run's model is " + ("sharded" if self.sharded else "not sharded") +
-                                ": resume it with the layout that saved it, or convert it with trainguard ckpt")
+            raise ConfigError("this state was saved by a " + ("data-parallel" if self.sharded else "sharded") +
+                              " run and this run's model is " + ("sharded" if self.sharded else "not sharded") +
+                              ": resume it with the layout that saved it, or start without its checkpoints")
         if self.sharded:
             shardstate.load(self.model, self.optimizer, shared["part"])
         else:
