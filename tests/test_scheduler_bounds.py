@@ -168,13 +168,14 @@ def _all_int64(obj) -> None:
             _all_int64(v)
 
 
-def test_thirty_seconds_of_fuzzing_leave_no_handler_error_and_status_answers_after_every_batch(tmp_path):
-    """A real scheduler process; the fuzzer holds the job secret (and plays strangers without it)."""
-    out = fuzz_scheduler(tmp_path, seed=20261126, frames=10**9, seconds=30, status_limit_s=10.0)
+def test_ten_seconds_of_fuzzing_leave_no_handler_error_and_status_answers_after_every_batch(tmp_path):
+    """A real scheduler process; the fuzzer holds the job secret (and plays strangers without it). Ten
+    seconds here (two busy processes); `python bench/fuzz_scheduler.py --frames 1000000` runs a long campaign."""
+    out = fuzz_scheduler(tmp_path, seed=20261126, frames=10**9, seconds=10, status_limit_s=10.0)
     tally = out.tally
     assert not out.crashed and out.hangs == 0, out
     assert out.handler_errors == [], out.handler_errors[:5]
     assert out.strangers == []  # no frame of a client without the secret reached a handler
-    assert tally.answered == tally.frames > 3000 and tally.unauthenticated > 0
+    assert tally.answered == tally.frames > 1000 and tally.unauthenticated > 0
     assert {"member", "extreme", "random", "mutated"} <= set(tally.kinds)
     assert out.peak_rss_mb < 400, out.peak_rss_mb

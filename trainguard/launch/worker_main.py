@@ -141,8 +141,11 @@ def run_and_exit(script: str) -> NoReturn:
     end_process(code)
 
 
-def end_process(code) -> NoReturn:
-    """Exit as `sys.exit(code)` would after the script: status 0 for None, the int, else 1 after printing it."""
+def end_process(code, *, collect: bool = True) -> NoReturn:
+    """Exit as `sys.exit(code)` would after the script: status 0 for None, the int, else 1 after printing it.
+    Without the interpreter's teardown, which takes over 2 s of CPU once torch and torch._dynamo are
+    imported (module by module); `collect=False` for a process that ran no script (a zygote, a dismissed
+    spare): nothing of a script's is left to finalise."""
     if code is None:
         status = 0
     elif isinstance(code, int):
@@ -152,7 +155,8 @@ def end_process(code) -> NoReturn:
         status = 1
     try:
         wait_for_threads()
-        gc.collect()  # what the script no longer holds goes now (open files in it are flushed and closed)
+        if collect:
+            gc.collect()  # what the script no longer holds goes now (open files in it are flushed and closed)
         atexit._run_exitfuncs()  # trainguard's goodbye, logging's flush, multiprocessing's clean-up, the script's
         flush_open_files()  # what the interpreter's teardown would flush: files the script left open
     finally:
