@@ -25,20 +25,20 @@ def test_a_dataloader_timeout_is_not_a_collective_failure():
 
 
 def test_a_step_catches_only_typed_failures():
-    step = Step(Loop(retry=False), 0, 0, 0, None)
+    step = Step(Loop(retry=False).is_retriable, 0, 0, 0, None)
     with step:
         raise CollectiveFailed("peer gone")
     assert isinstance(step.failure, CollectiveFailed)
     with pytest.raises(RuntimeError, match="DataLoader timed out"):
-        with Step(Loop(retry=False), 0, 0, 0, None):
+        with Step(Loop(retry=False).is_retriable, 0, 0, 0, None):
             raise RuntimeError("DataLoader timed out after 5 seconds")
 
 
 def test_retriable_is_caught_only_under_the_retry_strategy():
-    step = Step(Loop(retry=True), 0, 0, 0, None)
+    step = Step(Loop(retry=True).is_retriable, 0, 0, 0, None)
     with step:
         raise Retriable("flaky input")
     assert isinstance(step.failure, Retriable)
     with pytest.raises(Retriable):
-        with Step(Loop(retry=False), 0, 0, 0, None):
+        with Step(Loop(retry=False).is_retriable, 0, 0, 0, None):
             raise Retriable("flaky input")

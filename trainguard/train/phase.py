@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .session import Session
 
 log = logging.getLogger("trainguard.session")
 
@@ -38,25 +34,23 @@ class Phase:
                    int(progress.get("shards", 0)) or world_size)
 
 
-def reshard(session: "Session", phase: Phase) -> Phase:
-    """After a restore: if the world size changed, a new phase holding the rest of the epoch.
-    An empty phase (nothing left for this world, e.g. fewer samples than shards with drop_last)
-    ends the epoch."""
-    rt, sampler, loader = session.rt, session.sampler, session.state.loader
+def reshard(phase: Phase, *, rt, sampler, loader, epoch: int, in_epoch: int) -> tuple[Phase, int, int]:
+    """After a restore at (`epoch`, `in_epoch`): if the world size changed, a new phase holding the rest of the
+    epoch. Returns (phase, epoch, in_epoch): an empty phase (nothing left for this world, e.g. fewer samples
+    than shards with drop_last) ends the epoch."""
     if phase.shards == rt.world_size:
-        return phase
-    sampler.set_epoch(session.epoch)
-    position = (session.in_epoch - phase.start) * loader.batch_size
+        return phase, epoch, in_epoch
+    sampler.set_epoch(epoch)
+    position = (in_epoch - phase.start) * loader.batch_size
     base = sampler.consumed(position, base=phase.base, num_shards=phase.shards)
-    new = Phase(base, session.in_epoch, rt.world_size)
+    new = Phase(base, in_epoch, rt.world_size)
     sampler.set_phase(base, rt.world_size, rt.rank)
     log.info("rank %d: world size %d -> %d at epoch %d step %d: the rest of the epoch, from offset %d of its "
-             "order, is re-sharded (%d samples for this rank)", rt.rank, phase.shards, rt.world_size, session.epoch,
-             session.in_epoch, base, len(sampler))
+             "order, is re-sharded (%d samples for this rank)", rt.rank, phase.shards, rt.world_size, epoch,
+             in_epoch, base, len(sampler))
     if rt.rank == 0:
-        rt.events.emit("data_resharded", generation=rt.generation, epoch=session.epoch, in_epoch=session.in_epoch,
+        rt.events.emit("data_resharded", generation=rt.generation, epoch=epoch, in_epoch=in_epoch,
                        base=base, from_world=phase.shards, world_size=rt.world_size)
     if len(loader) == 0:  # nothing left for this world in this epoch
-        session.epoch, session.in_epoch = session.epoch + 1, 0
-        return Phase(0, 0, rt.world_size)
-    return new
+        return Phase(0, 0, rt.world_size), epoch + 1, 0
+    return new, epoch, in_epoch

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..checkpoint.blob import unpack
 from ..control.outcomes import RestoreDecision, SourceKind
@@ -21,16 +21,46 @@ from ..errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
 from ..worker.transfer import broadcast_int, recv_bytes, send_bytes
 from . import phase as elastic
 from .graceful import stop_on_fault
-from .state import job_seed, reseed
-
-if TYPE_CHECKING:
-    from .session import Session
+from .state import TrainState, job_seed, reseed
 
 log = logging.getLogger("trainguard.session")
 
 
+class Recovering(Protocol):
+    """What a recovery reads and sets of its session (train/session.py's Session)."""
+
+    rt: Any  # the worker runtime (worker/runtime.py)
+    cfg: Any  # SessionConfig
+    strategy: Any  # the recover strategy (strategies.py)
+    state: TrainState
+    live: Any  # LiveCopies for a sharded model, else None
+    sync: Any  # the data-parallel gradient exchange, else None
+    buffers: Any  # the buffers' guard, else None
+    disk_sources: Any  # DiskSources
+    sampler: Any
+    phase: elastic.Phase
+    step: int
+    epoch: int
+    in_epoch: int
+    seed: int | None
+    holds_state: bool
+    recoveries: int
+    restores: int
+    source: str
+    user_loop: bool
+    rng_touched: bool
+    iterator: Any
+    first_step_since: float | None
+
+    def pack_live(self) -> bytes: ...
+
+    def take_progress(self, own: dict) -> None: ...
+
+    def make_iter(self) -> Any: ...
+
+
 class Recovery:
-    def __init__(self, session: "Session"):
+    def __init__(self, session: Recovering):
         self.session = session
         self.retries = 0  # in-process recoveries in a row with nobody restarted
         self.members: frozenset | None = None  # the processes of the last recovery
@@ -139,7 +169,10 @@ class Recovery:
         session.holds_state = True
         session.restores += 1
         if session.strategy.elastic and session.sampler is not None:
-            session.phase = elastic.reshard(session, session.phase)  # a new world size: split the rest of the epoch
+            # a new world size: split the rest of the epoch
+            session.phase, session.epoch, session.in_epoch = elastic.reshard(
+                session.phase, rt=rt, sampler=session.sampler, loader=session.state.loader, epoch=session.epoch,
+                in_epoch=session.in_epoch)
         session.iterator = None
         if session.state.loader is not None and session.in_epoch > 0 and not session.user_loop:
             session.iterator = session.make_iter()  # creating an iterator draws from the RNG: do it before seeding

@@ -228,7 +228,7 @@ class Session:
             self._recover(form=True, reason=reason)
 
     def begin_step(self, batch=None) -> Step:
-        step = Step(self, self.step, self.epoch, self.in_epoch, batch)
+        step = Step(self.is_retriable, self.step, self.epoch, self.in_epoch, batch)
         self._applied = False
         self.rt.step = self.step
         for cb in self.callbacks:

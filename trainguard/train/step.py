@@ -13,14 +13,11 @@ generation. The session decides what to do at the step's commit point.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch.distributed as dist
 
 from ..errors import CollectiveFailed, ConfigError
-
-if TYPE_CHECKING:
-    from .session import Session
 
 _TYPED = (CollectiveFailed, *((dist.DistError,) if hasattr(dist, "DistError") else ()))
 
@@ -57,10 +54,11 @@ class SessionConfig:
 class Step:
     """One training step. Use `with step:` around its body so a failed collective is caught."""
 
-    __slots__ = ("session", "index", "epoch", "in_epoch", "batch", "failure")
+    __slots__ = ("retriable", "index", "epoch", "in_epoch", "batch", "failure")
 
-    def __init__(self, session: "Session", index: int, epoch: int, in_epoch: int, batch):
-        self.session, self.index, self.epoch, self.in_epoch, self.batch = session, index, epoch, in_epoch, batch
+    def __init__(self, retriable: Callable[[BaseException], bool], index: int, epoch: int, in_epoch: int, batch):
+        """`retriable(exc)`: whether the session's recover strategy redoes the step after `exc` in process."""
+        self.retriable, self.index, self.epoch, self.in_epoch, self.batch = retriable, index, epoch, in_epoch, batch
         self.failure: BaseException | None = None
 
     def __enter__(self) -> "Step":
@@ -69,7 +67,7 @@ class Step:
     def __exit__(self, tp, exc, tb) -> bool:
         if exc is None:
             return False
-        if is_collective_failure(exc) or self.session.is_retriable(exc):
+        if is_collective_failure(exc) or self.retriable(exc):
             self.failure = exc
             return True
         return False
