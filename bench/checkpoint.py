@@ -39,9 +39,9 @@ sys.path.insert(0, str(REPO))
 from trainguard.checkpoint.blob import pack  # noqa: E402
 from trainguard.checkpoint.codec import flatten_state  # noqa: E402
 from trainguard.checkpoint.format import save_checkpoint  # noqa: E402
-from trainguard.train.checkpointing import CheckpointConfig, ModelCheckpoint  # noqa: E402
-from trainguard.train.snapshots import Snapshot, SnapshotStore  # noqa: E402
-from trainguard.train.state import TrainState, capture_rng  # noqa: E402
+from trainguard.train.state.checkpointing import CheckpointConfig, ModelCheckpoint  # noqa: E402
+from trainguard.train.engine.snapshots import Snapshot, SnapshotStore  # noqa: E402
+from trainguard.train.state.train_state import TrainState, capture_rng  # noqa: E402
 
 MIB = 2**20
 WIDTH = 2048

@@ -8,7 +8,7 @@
 2. A generation ends: the communicator is aborted (`_abort_process_group`, what a survivor's heartbeat
    thread does when the scheduler moves on) and destroyed, and the next generation's group is built
    under a fresh store prefix: how long the abort and the re-creation take, and that the new group works.
-3. The step's buffers on the device (train/buffers.py): BatchNorm statistics a skipped step moved go
+3. The step's buffers on the device (train/state/buffers.py): BatchNorm statistics a skipped step moved go
    back (`rollback`, checked with torch.equal), what a commit's copy costs for 20 BatchNorm layers
    (16,064 channels), and that sharing them through the group (BufferShare) keeps them bit for bit.
 
@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
 from trainguard.worker import collectives
-from trainguard.train.buffers import BufferGuard, BufferShare, module_buffers
+from trainguard.train.state.buffers import BufferGuard, BufferShare, module_buffers
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--device", default="cuda")

@@ -1,4 +1,4 @@
-"""How long a step waits for an in-memory copy of CUDA state (train/buddy.py: HostCopy, pinned host
+"""How long a step waits for an in-memory copy of CUDA state (train/parallel/buddy.py: HostCopy, pinned host
 buffers filled on a side stream) against a bare device-to-host copy of the same bytes (`.cpu()` of
 each tensor, which the host waits for). Needs a CUDA device; the two alternate, medians and ratio.
 
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from trainguard.train.buddy import HostCopy
+from trainguard.train.parallel.buddy import HostCopy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--mib", type=int, default=256, help="size of the state, in 16 tensors")

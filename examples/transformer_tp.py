@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import trainguard
-from trainguard.train import parallel_strategy
+from trainguard.train.state import parallel_strategy
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the LM head's output is a view; no in-place op follows
 PREFIX = "transformer"

@@ -22,7 +22,7 @@ from trainguard.checkpoint.manifest import new_manifest
 from trainguard.checkpoint.replicas import recover_rank
 from trainguard.errors import CheckpointCorrupt, CheckpointError
 from trainguard.launch.cli import main
-from trainguard.train.faults import DiskFull, disk_full_at
+from trainguard.train.engine.faults import DiskFull, disk_full_at
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -162,8 +162,8 @@ def test_cli_ls_inspect_verify_recover_on_a_job_checkpoint(tmp_path, capsys):
 def test_a_dying_gasp_does_not_rewrite_a_part_a_regular_save_of_the_same_step_wrote(tmp_path):
     """The race of a SIGTERM on a periodic-save step: rank 1's regular save wrote its part, rank 0's commit
     still waits; rank 1's dying gasp must leave that part and its done marker alone."""
-    from trainguard.train.checkpointing import CheckpointConfig, ModelCheckpoint
-    from trainguard.train.snapshots import Snapshot
+    from trainguard.train.state.checkpointing import CheckpointConfig, ModelCheckpoint
+    from trainguard.train.engine.snapshots import Snapshot
 
     tensors, meta, blobs = snapshot(6)
     snap = Snapshot(6, tensors, meta, blobs[1], ranks=blobs)

@@ -3,8 +3,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainguard.errors import ConfigError
-from trainguard.train import data as data_mod
-from trainguard.train.data import ShardedSampler
+from trainguard.train.data import sampler as data_mod
+from trainguard.train.data.sampler import ShardedSampler
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -20,8 +20,8 @@ from trainguard.control.protocol import FailureKind
 from trainguard.errors import ConfigError
 from trainguard.launch.policy import LaunchSpec, worker_env
 from trainguard.strategies import parse_strategy, require_implemented
-from trainguard.train.data import ShardedSampler
-from trainguard.train.phase import Phase
+from trainguard.train.data.sampler import ShardedSampler
+from trainguard.train.data.phase import Phase
 
 pytestmark = pytest.mark.timeout(30)
 JOB = Path(__file__).resolve().parent / "jobs" / "elastic_job.py"

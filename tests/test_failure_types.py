@@ -1,10 +1,10 @@
-"""Failures are classified by type, never by message text (train/step.py)."""
+"""Failures are classified by type, never by message text (train/engine/step.py)."""
 
 import pytest
 import torch.distributed as dist
 
 from trainguard.errors import CollectiveFailed, Retriable
-from trainguard.train.step import Step, is_collective_failure
+from trainguard.train.engine.step import Step, is_collective_failure
 
 
 class Loop:

@@ -47,7 +47,7 @@ def test_an_nccl_group_of_one_is_built_aborted_and_built_again(tmp_path):
 
 
 def test_a_snapshot_of_cuda_tensors_is_exact_and_the_update_waits_for_it():
-    from trainguard.train.buddy import HostCopy
+    from trainguard.train.parallel.buddy import HostCopy
 
     torch.manual_seed(0)
     tensors = {f"t{i}": torch.randn(1 << 20, device="cuda") for i in range(4)}

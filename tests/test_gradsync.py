@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from trainguard.train.gradsync import MB, plan_buckets
+from trainguard.train.parallel.gradsync import MB, plan_buckets
 
 
 def layout(model, cap=25 * MB, first=1 * MB):
@@ -37,7 +37,7 @@ def _exchange(rank: int, world: int, init: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainguard.train.gradsync import GradSync
+    from trainguard.train.parallel.gradsync import GradSync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -185,7 +185,7 @@ def test_random_augmentation_in_loader_workers_is_the_same_after_a_kill_mid_epoc
 def test_a_sample_key_is_an_int_that_keeps_its_seed_across_pickling():
     import pickle
 
-    from trainguard.train.loaderseed import SampleKey, sample_seed
+    from trainguard.train.data.loaderseed import SampleKey, sample_seed
 
     key = SampleKey(7, sample_seed(123, 2, 7))
     back = pickle.loads(pickle.dumps([key]))[0]

@@ -25,7 +25,7 @@ from trainguard.launch.observe import render_status
 from trainguard.obs.events import EventTail
 from trainguard.obs.report import render
 from trainguard.obs.timeline import PHASES, build, step_rate, summary
-from trainguard.train.progress import terminal, wants_bar
+from trainguard.train.engine.progress import terminal, wants_bar
 
 parser = pytest.importorskip("prometheus_client.parser")
 

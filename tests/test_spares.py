@@ -104,10 +104,10 @@ def test_a_worker_ends_as_python_would_without_tearing_down_its_modules(tmp_path
     """worker_main ends with os._exit after the script: what the interpreter's own end would do must
     still happen (threading's exit hooks run, threads joined, open files flushed, atexit handlers run, the
     exit code or message). A threading exit hook is how a checkpoint's last save, written by a daemon
-    thread, is waited for (train/checkpointing.py): without it, the save was cut."""
+    thread, is waited for (train/state/checkpointing.py): without it, the save was cut."""
     script = _script(tmp_path, """
         import atexit, sys, threading, time
-        from trainguard.train.checkpointing import when_main_thread_ends
+        from trainguard.train.state.checkpointing import when_main_thread_ends
         log = open("unclosed.txt", "w")
         log.write("written, never closed")
         def late():

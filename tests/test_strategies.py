@@ -26,9 +26,9 @@ from trainguard.launch.policy import (
     worker_env,
 )
 from trainguard.strategies import Strategy, parse_strategy, require_implemented
-from trainguard.train import parallel_strategy
-from trainguard.train.dump import plan_dump, who_died
-from trainguard.train.graceful import StopRequest
+from trainguard.train.state import parallel_strategy
+from trainguard.train.engine.dump import plan_dump, who_died
+from trainguard.train.engine.graceful import StopRequest
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -26,7 +26,7 @@ from harness import REPO, env
 
 import trainguard as tg
 from trainguard.checkpoint import list_checkpoints, read_manifest
-from trainguard.train import parallel_strategy
+from trainguard.train.state import parallel_strategy
 
 pytestmark = pytest.mark.timeout(150)
 STEPS, SAVE = 24, 8

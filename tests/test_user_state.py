@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import trainguard as tg
-from trainguard.train.buffers import BufferGuard, module_buffers
+from trainguard.train.state.buffers import BufferGuard, module_buffers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +35,7 @@ def test_a_skipped_steps_batchnorm_statistics_go_back_to_the_committed_ones():
 
 
 def test_the_optimizer_wrapper_leaves_the_lr_scheduler_as_it_was():
-    from trainguard.train import guard as guard_mod
+    from trainguard.train.engine import guard as guard_mod
 
     opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
@@ -96,7 +96,7 @@ def test_every_collective_comes_out_typed_and_a_failed_generation_fails_at_once(
 def test_a_state_of_another_layout_is_refused_with_the_reason_before_anything_is_loaded():
     """A data-parallel checkpoint offered to a sharded model (or the reverse) is a deterministic error: ConfigError
     (exit 78, no restart), naming both layouts, and the model is left as it was."""
-    from trainguard.train.state import TrainState
+    from trainguard.train.state.train_state import TrainState
 
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

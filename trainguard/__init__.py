@@ -34,16 +34,16 @@ __version__ = "0.1.0"
 _LAZY = {
     "init": "worker.runtime", "get_rank": "worker.runtime", "get_world_size": "worker.runtime",
     "get_local_rank": "worker.runtime", "get_group": "worker.runtime",
-    "DDP": "train.parallel", "DistributedDataParallel": "train.parallel", "DataParallel": "train.parallel",
-    "Optimizer": "train.guard", "DataLoader": "train.loaders", "DistributedSampler": "train.loaders",
-    "start_epoch": "train.guard", "start_step": "train.guard", "register_state": "train.guard", "ShardedSampler": "train.data",
-    "Session": "train.session", "SessionConfig": "train.session", "Step": "train.session",
-    "TrainState": "train.state", "GracefulStop": "train.preempt", "StepTimeMonitor": "train.callbacks",
+    "DDP": "train.parallel.ddp", "DistributedDataParallel": "train.parallel.ddp", "DataParallel": "train.parallel.ddp",
+    "Optimizer": "train.engine.guard", "DataLoader": "train.data.loaders", "DistributedSampler": "train.data.loaders",
+    "start_epoch": "train.engine.guard", "start_step": "train.engine.guard", "register_state": "train.engine.guard", "ShardedSampler": "train.data.sampler",
+    "Session": "train.engine.session", "SessionConfig": "train.engine.session", "Step": "train.engine.session",
+    "TrainState": "train.state.train_state", "GracefulStop": "train.engine.preempt", "StepTimeMonitor": "train.engine.callbacks",
     "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",
     "save_sharded": "checkpoint.sharded", "load_sharded": "checkpoint.reshard",
     "init_optimizer_state": "checkpoint.reshard", "recover_rank": "checkpoint.replicas",
-    "fully_shard": "train.sharding", "parallelize_module": "train.sharding", "init_device_mesh": "train.sharding",
-    "ShardedJob": "train.shardjob", "MeshSpec": "meshspec", "ShardedCheckpoints": "train.shardckpt",
+    "fully_shard": "train.parallel.sharding", "parallelize_module": "train.parallel.sharding", "init_device_mesh": "train.parallel.sharding",
+    "ShardedJob": "train.shardjob", "MeshSpec": "meshspec", "ShardedCheckpoints": "train.state.shardckpt",
 }
 # MindSpore-style names (compat/mindspore.py), reachable here too for scripts written before it
 _MINDSPORE = ("Callback", "CheckpointConfig", "ExceptionCheckpoint", "LossMonitor", "Model", "ModelCheckpoint",

@@ -95,7 +95,7 @@ class Rewind(BaseException):
     died): the script goes back to its committed step. Raised at the next point trainguard controls
     (a batch, a forward, `optimizer.step()`); `trainguard run`'s worker entry catches it and runs the
     script again in the same process, from the top, with the committed state restored (see
-    train/rewind.py). A BaseException, so `except Exception` in user code does not swallow it."""
+    train/engine/rewind.py). A BaseException, so `except Exception` in user code does not swallow it."""
 
 
 class JobStopped(SystemExit):

@@ -94,7 +94,7 @@ class MeshSpec:
 @dataclass(frozen=True, slots=True)
 class ShardMap:
     """Which shard of the state each rank holds (`ids[rank]`): ranks with the same id are replicas. From a
-    MeshSpec, or from what the ranks of a sharded model report (train/sharding.py)."""
+    MeshSpec, or from what the ranks of a sharded model report (train/parallel/sharding.py)."""
 
     ids: tuple[int, ...]
 

@@ -67,7 +67,7 @@ def checkpoint_name(prefix: str, epoch: int, step_in_epoch: int) -> str:
 
 
 class WriteFault(Protocol):
-    """A fault a test puts into every shard write (train/faults.py: a full disk, a slow dying gasp). Either
+    """A fault a test puts into every shard write (train/engine/faults.py: a full disk, a slow dying gasp). Either
     call may raise OSError, as a real disk does; nothing else changes how a shard is written."""
 
     def opened(self, path: Path, f: BinaryIO) -> None:

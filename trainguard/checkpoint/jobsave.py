@@ -49,7 +49,7 @@ log = logging.getLogger("trainguard.checkpoint")
 META_KEY = "trainguard_meta"  # the state's structure (codec meta), in each file's safetensors metadata
 POLL_S = 0.05
 MAX_MARKER_BYTES = 1 << 20  # a done/failed marker is a line of JSON
-# (rank, step) of the part this thread is writing, for fault injection (trainguard.train.faults)
+# (rank, step) of the part this thread is writing, for fault injection (trainguard.train.engine.faults)
 WRITING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("trainguard_writing", default=None)
 
 

@@ -15,10 +15,10 @@ environment variables MindSpore's docs use (MS_ENABLE_RECOVERY, MS_RECOVERY_PATH
 
 from ..checkpoint.replicas import restore_group_info_list
 from ..checkpoint.reshard import load_checkpoint, load_param_into_net
-from ..train.callbacks import Callback, LossMonitor
-from ..train.callbacks import StepTimeMonitor as TimeMonitor
-from ..train.checkpointing import CheckpointConfig, ExceptionCheckpoint, ModelCheckpoint
-from ..train.model import Model
+from ..train.engine.callbacks import Callback, LossMonitor
+from ..train.engine.callbacks import StepTimeMonitor as TimeMonitor
+from ..train.state.checkpointing import CheckpointConfig, ExceptionCheckpoint, ModelCheckpoint
+from ..train.engine.model import Model
 
 __all__ = ["Callback", "CheckpointConfig", "ExceptionCheckpoint", "LossMonitor", "Model", "ModelCheckpoint",
            "TimeMonitor", "load_checkpoint", "load_param_into_net", "restore_group_info_list"]

@@ -17,7 +17,7 @@ calls it from a few hooks:
 - a finish: the job is over once no member is alive any more, without waiting for dead ones.
 
 The worker side (re-sharding the rest of the epoch, restoring a returning node from a peer)
-is in train/session.py and train/data.py.
+is in train/engine/session.py and train/data/sampler.py.
 """
 
 from __future__ import annotations

@@ -364,7 +364,7 @@ def worker_env(base: Mapping[str, str], spec: LaunchSpec, index: int, *, node_id
     set_env(env, LOCAL_RANK_ENV, str(index))
     env[TORCHRUN_LOCAL_RANK] = str(index)  # for scripts that pick their device torchrun's way
     env.setdefault("OMP_NUM_THREADS", "1")
-    set_env(env, TERMINAL_ENV, spec.terminal)  # their stderr is a pipe to the agent (train/progress.py)
+    set_env(env, TERMINAL_ENV, spec.terminal)  # their stderr is a pipe to the agent (train/engine/progress.py)
     return env
 
 

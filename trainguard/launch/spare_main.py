@@ -31,8 +31,8 @@ from .worker_main import end_process, run_and_exit, script_path
 
 # torch._dynamo: the first optimizer a process builds imports it (about 1.1 s of a 2 s recovery here)
 WORKER_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
-                  "trainguard.worker.runtime", "trainguard.train.model", "trainguard.train.session",
-                  "trainguard.train.checkpointing")
+                  "trainguard.worker.runtime", "trainguard.train.engine.model", "trainguard.train.engine.session",
+                  "trainguard.train.state.checkpointing")
 EXIT_BAD_ORDER = 2
 
 

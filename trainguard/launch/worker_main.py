@@ -4,7 +4,7 @@
 
 It runs SCRIPT as `python SCRIPT ARGS...` would, except that a fault (a failed collective, a peer's
 death) sends the script back to its committed step: it runs again from the top in this same
-process, with its state kept (train/rewind.py). Otherwise: as `__main__`, with the script's folder first on
+process, with its state kept (train/engine/rewind.py). Otherwise: as `__main__`, with the script's folder first on
 `sys.path`, the same exit codes, and a traceback of the script's own frames through `sys.excepthook`
 (which `trainguard.init()` chains). One difference: an uncaught *deterministic* error, one that a
 restart would only raise again, exits `EXIT_CONFIG_ERROR` (78) instead of 1, after one more line
@@ -170,7 +170,7 @@ def end_process(code, *, collect: bool = True) -> NoReturn:
 
 def wait_for_threads() -> None:
     """What the interpreter's end does first (Py_FinalizeEx calls threading._shutdown): threading's exit hooks,
-    which wait for work still in a daemon thread (a checkpoint's last save: train/checkpointing.py), then the
+    which wait for work still in a daemon thread (a checkpoint's last save: train/state/checkpointing.py), then the
     script's own threads, joined. Without the hooks, os._exit cut that save half-committed."""
     shutdown = getattr(threading, "_shutdown", None)  # CPython's own; absent elsewhere
     if shutdown is not None and threading.current_thread() is threading.main_thread():

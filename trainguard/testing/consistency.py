@@ -7,7 +7,7 @@ import hashlib
 import torch
 
 from ..errors import TrainguardError
-from ..train.callbacks import Callback
+from ..train.engine.callbacks import Callback
 from ..worker.transfer import all_gather_bytes
 
 

@@ -48,13 +48,13 @@ from ..exitcodes import EXIT_FAULT_STOP
 from ..meshspec import MeshSpec
 from ..worker import runtime as rt_mod
 from ..worker.transfer import all_max
-from .buddy import Copies, HostCopy, flat_part, propose_every
-from .faults import env_callbacks
-from .preempt import GracefulStop
-from .shardckpt import ShardedCheckpoints
+from .engine.faults import env_callbacks
+from .engine.preempt import GracefulStop
+from .engine.step import is_collective_failure
+from .parallel.buddy import Copies, HostCopy, flat_part, propose_every
 from .shardrecover import Recovery
-from .state import reseed
-from .step import is_collective_failure
+from .state.shardckpt import ShardedCheckpoints
+from .state.train_state import reseed
 
 log = logging.getLogger("trainguard.shardjob")
 

@@ -23,10 +23,10 @@ from ..control.reports import FinishReport, ShardedRestoreReport
 from ..errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
 from ..worker.sever import open_sockets
 from ..worker.transfer import broadcast_int
-from . import shardstate
-from .buddy import Exchange
-from .livecopies import walk_transfers
-from .state import job_seed, reseed
+from .parallel.buddy import Exchange
+from .parallel.livecopies import walk_transfers
+from .state import shardstate
+from .state.train_state import job_seed, reseed
 
 if TYPE_CHECKING:
     from .shardjob import ShardedJob

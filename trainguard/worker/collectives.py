@@ -12,7 +12,7 @@ milliseconds, not at gloo's timeout). A new generation starts clean.
 
 What this changes for the script: a collective that fails raises `CollectiveFailed` (a
 `TrainguardError`) instead of `RuntimeError`. Under `trainguard run` that exception sends the
-script back to its committed step (train/rewind.py). An asynchronous call (`async_op=True`, as FSDP2
+script back to its committed step (train/engine/rewind.py). An asynchronous call (`async_op=True`, as FSDP2
 makes its all-gathers and reduce-scatters) returns a `TypedWork`, a torch `Work` whose `wait()`
 raises the same way. DTensor's functional collectives (tensor parallelism) bypass those functions:
 their launch and their `wait_tensor` in `torch.distributed._functional_collectives` are wrapped too.
@@ -60,7 +60,7 @@ class Failures:
 
 
 failures = Failures()
-observers: list = []  # callables (name) run before each synchronous collective: fault injection (train/faults.py)
+observers: list = []  # callables (name) run before each synchronous collective: fault injection (train/engine/faults.py)
 _generation = lambda: -1  # noqa: E731  the current generation (set by install)
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from . import guard as guard_mod
-from . import rewind as rewind_mod
-from .data import ShardedSampler, sharded_sampler
+from ...errors import ConfigError
+from ..engine import guard as guard_mod
+from ..engine import rewind as rewind_mod
 from .loaderseed import seed_loader_samples
+from .sampler import ShardedSampler, sharded_sampler
 
 
 class DistributedSampler(ShardedSampler):

@@ -3,7 +3,7 @@
 `TrainState` names the objects; `capture_shared`/`load_shared` cover what data-parallel ranks
 hold in common (model, optimizer, LR scheduler, extras). With a sharded model (`sharded`: FSDP2,
 HSDP, DP x TP) the model and optimizer are this rank's part instead, as local tensors
-(train/shardstate.py), and the rest is as before. Nothing is each rank's own: the random
+(train/state/shardstate.py), and the rest is as before. Nothing is each rank's own: the random
 streams are re-seeded at every step from (job seed, rank, step) by `reseed`.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from . import shardstate
 
 SEED_RANGE = 1 << 63
@@ -31,7 +31,7 @@ class TrainState:
     scheduler: Any = None  # torch.optim.lr_scheduler.LRScheduler or anything with state_dict()
     loader: torch.utils.data.DataLoader | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # more objects with state_dict()/load_state_dict()
-    sharded: bool = False  # the model holds DTensors: model and optimizer are this rank's part (train/sharding.py)
+    sharded: bool = False  # the model holds DTensors: model and optimizer are this rank's part (train/parallel/sharding.py)
 
     def capture_shared(self) -> dict:
         """The objects' states; the tensors are the live ones (a caller that keeps them copies them)."""

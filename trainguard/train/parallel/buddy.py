@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.blob import pack_flat
-from ..checkpoint.codec import flatten_state
+from ...checkpoint.blob import pack_flat
+from ...checkpoint.codec import flatten_state
 
 log = logging.getLogger("trainguard.buddy")
 

@@ -12,13 +12,13 @@ The drop-ins call torch's functions and note the module, so the optimizer's wrap
 whose state is the job's (as it finds a `trainguard.DDP`), and `init_device_mesh` lets the mesh's
 own groups be cut with the generation's (a collective blocked in one fails at once, not at gloo's
 timeout). Everything else is the data-parallel engine's: a fault sends the script back to its
-committed step (train/rewind.py), where it builds its mesh, modules and optimizer again and they are
+committed step (train/engine/rewind.py), where it builds its mesh, modules and optimizer again and they are
 refilled from the committed state; the position, seeds, loaders and scheduler come back the same way.
 
 What differs is that ranks hold different state. Each rank's part is its local tensors (a DTensor's
-local shard, nothing gathered: train/shardstate.py), and the ranks tell which of them hold the same
+local shard, nothing gathered: train/state/shardstate.py), and the ranks tell which of them hold the same
 part (`shard_key`): replicas, such as HSDP's replicate dimension, can restore each other, and every
-rank keeps an in-memory copy of one other shard (train/livecopies.py).
+rank keeps an in-memory copy of one other shard (train/parallel/livecopies.py).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..meshspec import ShardMap
-from ..worker import runtime as rt_mod
-from ..worker.sever import open_sockets
+from ...meshspec import ShardMap
+from ...worker import runtime as rt_mod
+from ...worker.sever import open_sockets
 
 try:
     from torch.distributed.tensor import DTensor, Replicate
@@ -54,7 +54,9 @@ def fully_shard(module, *args, **kwargs):
 
 def parallelize_module(module, *args, **kwargs):
     """torch's `parallelize_module`, the module noted as a candidate for the job's model."""
-    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+    from torch.distributed.tensor.parallel import (
+        parallelize_module as torch_parallelize,
+    )
 
     out = torch_parallelize(module, *args, **kwargs)
     _noted.add(out)
@@ -114,6 +116,6 @@ def shard_key(model: nn.Module, rank: int) -> int:
 
 def shard_map(model: nn.Module, group: dist.ProcessGroup, rank: int, world_size: int) -> ShardMap:
     """Every rank's shard id in this generation (one small all-gather; collective)."""
-    from ..worker.transfer import all_gather_ints
+    from ...worker.transfer import all_gather_ints
 
     return ShardMap.of_keys(all_gather_ints(shard_key(model, rank), group, world_size))

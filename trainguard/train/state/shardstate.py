@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint.reshard import init_optimizer_state
-from ..errors import ConfigError
+from ...checkpoint.reshard import init_optimizer_state
+from ...errors import ConfigError
 
 try:
     from torch.distributed.tensor import DTensor

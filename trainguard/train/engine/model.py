@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .checkpointing import ModelCheckpoint
-from .data import ShardedSampler
-from .parallel import DataParallel
+from ..data.sampler import ShardedSampler
+from ..parallel.ddp import DataParallel
+from ..state.checkpointing import ModelCheckpoint
+from ..state.train_state import TrainState
 from .progress import ProgressBar, wants_bar
 from .session import Session, SessionConfig
-from .state import TrainState
 
 
 class Model:
@@ -37,7 +37,7 @@ class Model:
     def train(self, epoch: int, train_dataset: Dataset | DataLoader, callbacks=(), *, batch_size: int | None = None,
               shuffle: bool = True, seed: int = 0, snapshot_every: int = 1, retriable=(),
               progress: bool | None = None) -> Session:
-        """`progress`: a bar on rank 0's stderr (train/progress.py); None: when stderr is a terminal."""
+        """`progress`: a bar on rank 0's stderr (train/engine/progress.py); None: when stderr is a terminal."""
         loader = self._loader(train_dataset, batch_size, shuffle, seed)
         state = TrainState(model=self.parallel, optimizer=self.optimizer, scheduler=self.scheduler, loader=loader)
         disk = next((cb for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)

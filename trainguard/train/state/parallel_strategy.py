@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .. import durable
+from ... import durable
 
 log = logging.getLogger("trainguard.strategy")
 

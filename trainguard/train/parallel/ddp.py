@@ -2,7 +2,7 @@
 `DistributedDataParallel(net)` stood.
 
 It wraps the same parameters, so the optimizer is untouched, and its gradient exchange
-(train/gradsync.py) is a bucketed all-reduce over a layout fixed once from the parameters:
+(train/parallel/gradsync.py) is a bucketed all-reduce over a layout fixed once from the parameters:
 overlapped with backward as DDP's, deterministic for a given world size and rank order, and
 never raising inside backward (a failed exchange is recorded; the optimizer step is skipped).
 Each generation attaches it to the new process group (`rebuild`); nothing is broadcast then,
@@ -10,7 +10,7 @@ because recovery hands every rank the same state. A fresh job starts from rank 0
 (`broadcast_from`), as DDP's constructor does. Buffers (e.g. BatchNorm statistics): with
 `broadcast_buffers=True` (DDP's default) every committed step leaves every rank with rank 0's, as
 DDP's broadcast before each forward would, but they ride in the step's exchange instead
-(train/buffers.py), so a forward makes no collective and a skipped step puts them back.
+(train/state/buffers.py), so a forward makes no collective and a skipped step puts them back.
 With `broadcast_buffers=False` each rank keeps its own, and a replacement takes a peer's.
 """
 
@@ -23,9 +23,9 @@ from typing import Callable
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
-from ..worker.transfer import broadcast_module
-from .buffers import BufferGuard, BufferShare, module_buffers
+from ...errors import ConfigError
+from ...worker.transfer import broadcast_module
+from ..state.buffers import BufferGuard, BufferShare, module_buffers
 from .gradsync import GradSync
 
 log = logging.getLogger("trainguard.parallel")
@@ -60,7 +60,7 @@ class DataParallel(nn.Module):
             self.sync.share = BufferShare(buffers)
         object.__setattr__(self, "buffer_guard", BufferGuard(buffers))
         object.__setattr__(self, "group", None)
-        self.on_forward: Callable[[], None] | None = None  # the guard starts the job on first use (train/guard.py)
+        self.on_forward: Callable[[], None] | None = None  # the guard starts the job on first use (train/engine/guard.py)
         DataParallel.instances.add(self)
 
     def rebuild(self, group: dist.ProcessGroup) -> None:

@@ -39,9 +39,9 @@ import sys
 
 import torch.distributed as dist
 
-from .. import rewinding
-from ..errors import CollectiveFailed, Rewind
-from ..worker import runtime as rt_mod
+from ... import rewinding
+from ...errors import CollectiveFailed, Rewind
+from ...worker import runtime as rt_mod
 
 log = logging.getLogger("trainguard.rewind")
 

@@ -36,7 +36,7 @@ block over glibc's 32 MB maximum would change nothing, so it is capped just belo
 20 MB of gradients, 500-2000 page faults a step with a 32 MB block, 0 with the cap); other
 allocators ignore the hint. `bench/overhead.py` prints page faults per step.
 
-Buffers. Rank 0's buffers (BatchNorm statistics) ride with the last bucket (train/buffers.py), so
+Buffers. Rank 0's buffers (BatchNorm statistics) ride with the last bucket (train/state/buffers.py), so
 a committed step leaves every rank with the same buffers and no forward broadcasts them.
 
 Control slots. The last bucket (if float32 or float64; otherwise one small extra buffer) carries
@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import CollectiveFailed
+from ...errors import CollectiveFailed
 
 MB = 1 << 20
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MB  # a freed block larger than this leaves glibc's thresholds where they are
@@ -123,7 +123,7 @@ class GradSync:
         self.after_launch: Callable[[], None] | None = None  # called once per backward, after the first launch
         self.controls: list[int] = []  # every rank's control value from the last completed exchange
         self.error: CollectiveFailed | None = None
-        self.share = None  # a BufferShare (train/buffers.py): rank 0's buffers ride with the last bucket
+        self.share = None  # a BufferShare (train/state/buffers.py): rank 0's buffers ride with the last bucket
         self.enabled = True  # False inside no_sync()
         self._control: torch.Tensor | None = None  # the extra buffer, when the last bucket cannot carry slots
         self._works: list = []

@@ -1,5 +1,5 @@
 """The commit-or-skip core: `for step in session.steps(): with step: ...`, or driven by the wrappers
-(train/guard.py) from the user's own loop.
+(train/engine/guard.py) from the user's own loop.
 
 A step is *committed* on a rank when its optimizer update was applied, and the update is applied
 only when the step's gradient exchange completed (the optimizer's step pre-hook raises
@@ -19,8 +19,8 @@ agreed at the first start (rank 0's `torch.initial_seed()`) and travels with the
 
 The stop vote (SIGTERM, SIGINT, SIGUSR1) rides in the gradient all-reduce's control slots. What a
 failure leads to follows the recover strategy (strategies.py): recovery in process, or a
-stop (exit, dump: train/graceful.py). Under elastic, progress also records the sampler's phase
-(train/phase.py), so a restore into another world size splits the rest of the epoch over it.
+stop (exit, dump: train/engine/graceful.py). Under elastic, progress also records the sampler's phase
+(train/data/phase.py), so a restore into another world size splits the rest of the epoch over it.
 """
 
 from __future__ import annotations
@@ -29,31 +29,32 @@ import logging
 import time
 from typing import Iterator
 
-from ..checkpoint.blob import pack, unpack
-from ..checkpoint.codec import flatten_state
-from ..control.reports import FinishReport
-from ..errors import (
+from ...checkpoint.blob import pack, unpack
+from ...checkpoint.codec import flatten_state
+from ...control.reports import FinishReport
+from ...worker import runtime as rt_mod
+from ...worker.transfer import all_max, all_max_each
+from ..data import phase as elastic
+from ..data.loaderseed import seed_loader_samples
+from ..data.sampler import sampler_of
+from ...errors import (
     CollectiveFailed,
     ConfigError,
     FencedError,
     Retriable,
     Rewind,
 )
-from ..worker import runtime as rt_mod
-from ..worker.transfer import all_max, all_max_each
-from . import parallel_strategy, rewind
-from . import phase as elastic
-from .checkpointing import DiskSources
-from .data import sampler_of
+from ..parallel.ddp import DataParallel
+from ..parallel.livecopies import LiveCopies
+from ..parallel.sharding import is_sharded
+from ..state import parallel_strategy
+from ..state.checkpointing import DiskSources
+from ..state.train_state import TrainState, reseed
+from . import rewind
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
-from .livecopies import LiveCopies
-from .loaderseed import seed_loader_samples
-from .parallel import DataParallel
 from .progress import ProgressEvents
 from .recovery import Recovery
-from .sharding import is_sharded
 from .snapshots import Snapshot
-from .state import TrainState, reseed
 from .step import SessionConfig, Step, is_collective_failure
 
 __all__ = ["Session", "SessionConfig", "Step", "is_collective_failure"]
@@ -84,7 +85,7 @@ class Session:
         self.source = ""  # where the last restore took this rank's state from
         self.user_loop = False  # driven from the user's own loop (guard.py): it decides the end, its epochs roll
         # when the training loader starts the next one, and a recovery noticed after a commit waits for the next step
-        self.rewinds = False  # a fault sends the script back to its committed step (train/rewind.py) instead of
+        self.rewinds = False  # a fault sends the script back to its committed step (train/engine/rewind.py) instead of
         # recovering in place
         self.train_loader: int | None = None  # which of the script's loaders drives the steps (by creation order)
         self.pass_ended = False  # the training loader's pass over this epoch ran to its end in this process

@@ -1,5 +1,5 @@
 """The sharded part of the one engine: which shard each rank holds, the in-memory copies, and the transfers
-of a restore (a collaborator of the Session when its model is sharded: train/sharding.py).
+of a restore (a collaborator of the Session when its model is sharded: train/parallel/sharding.py).
 
 A copy is a committed state in the blob a peer receives ({"shared": this rank's part, "own": position and
 seed}: Session.pack_live), so a rank's live state, its own copy and its buddy's copy of it are restored by
@@ -8,7 +8,7 @@ the script builds its modules again and the copies of the steps before are what 
 
 At a snapshot step every rank copies its part to host memory (on CUDA into pinned buffers off the
 compute stream: buddy.HostCopy), and the exchange thread packs it, keeps it, and swaps it with its
-buddy's over a side group (train/buddy.py). The ranks snapshot at the same steps: the cadence rides in
+buddy's over a side group (train/parallel/buddy.py). The ranks snapshot at the same steps: the cadence rides in
 the commit point's stop vote (one small all-reduce), as often as keeps the copies within 3% of the
 steps' time, and a round is skipped while some rank's last one is still in flight. What counts is the
 step's own wait for the host copy, and on CPU the thread's work too (it takes cores from the training);
@@ -26,11 +26,11 @@ import time
 
 import torch.distributed as dist
 
-from ..control.outcomes import CopyKind, RestoreDecision, SourceKind
-from ..errors import RecoveryError
-from ..meshspec import ShardMap
-from ..worker.sever import open_sockets
-from ..worker.transfer import recv_bytes, send_bytes
+from ...control.outcomes import CopyKind, RestoreDecision, SourceKind
+from ...errors import RecoveryError
+from ...meshspec import ShardMap
+from ...worker.sever import open_sockets
+from ...worker.transfer import recv_bytes, send_bytes
 from .buddy import Copies, Exchange, HostCopy, propose_every
 from .sharding import shard_map
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import CheckpointError, TrainguardError
+from ...errors import CheckpointError, TrainguardError
 
 log = logging.getLogger("trainguard.dump")
 

@@ -38,8 +38,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..config import env_seconds
-from ..errors import ConfigError
+from ...config import env_seconds
+from ...errors import ConfigError
 from .callbacks import Callback
 
 FAULT_ENV = "TG_FAULT"
@@ -172,8 +172,8 @@ def collective_faults_from_env(env=None) -> None:
     faults = parse_collective_faults((os.environ if env is None else env).get(COLLECTIVE_FAULT_ENV, ""))
     if not faults or _collective_counts is not None:
         return
-    from ..worker import collectives
-    from ..worker import runtime as rt_mod
+    from ...worker import collectives
+    from ...worker import runtime as rt_mod
 
     _collective_counts = counts = {}
 
@@ -233,7 +233,7 @@ class DiskFull:
     points: frozenset[tuple[int, int]]
 
     def opened(self, path, f) -> None:
-        from ..checkpoint import jobsave
+        from ...checkpoint import jobsave
 
         if jobsave.WRITING.get() in self.points:
             f.write(b"\0" * 4096)
@@ -244,13 +244,13 @@ class DiskFull:
 
 
 def slow_dying_gasp_writes(seconds: float) -> None:
-    from ..checkpoint.format import inject_write_fault
+    from ...checkpoint.format import inject_write_fault
 
     inject_write_fault(SlowDyingGasp(seconds))
 
 
 def disk_full_at(points: set[tuple[int, int]]) -> None:
-    from ..checkpoint.format import inject_write_fault
+    from ...checkpoint.format import inject_write_fault
 
     inject_write_fault(DiskFull(frozenset(points)))
 

@@ -5,7 +5,7 @@ when one comes back). The data position is global: progress records the sampler'
 (`Phase`): where in the epoch's global order it began (`base`), at which step of the epoch
 (`start`) and over how many shards. A restore into another world size starts a new phase at
 the first index of the epoch not yet consumed, so the rest of the epoch is split over the new
-world and every index is still seen once (train/data.py).
+world and every index is still seen once (train/data/sampler.py).
 
 A returning node needs no state of its own: it receives the shared state and progress from a
 peer, and its random streams are re-seeded from (job seed, rank, step) like every rank's.

@@ -27,9 +27,9 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..errors import JobStopped
-from ..exitcodes import EXIT_PREEMPTED
-from ..signals import signal_name
+from ...errors import JobStopped
+from ...exitcodes import EXIT_PREEMPTED
+from ...signals import signal_name
 from .dump import run_before
 from .graceful import GOODBYE_PATIENCE_S, StopRequest
 
@@ -38,7 +38,7 @@ class GracefulStop:
     """Signals → a stop agreed at a step boundary → a dying-gasp save → exit 75."""
 
     def __init__(self, *, grace_period: float | None = None, group: dist.ProcessGroup | None = None):
-        from ..worker import runtime
+        from ...worker import runtime
 
         self.rt = runtime.current()
         self.grace = self.rt.cfg.grace_period if grace_period is None else grace_period

@@ -32,10 +32,10 @@ import sys
 import time
 from typing import NoReturn
 
-from .. import signals
-from ..errors import JobStopped
-from ..exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
-from ..signals import ECHO_WINDOW_S, signal_name
+from ... import signals
+from ...errors import JobStopped
+from ...exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
+from ...signals import ECHO_WINDOW_S, signal_name
 from .dump import DumpResult, dump_targets, write_dying_gasp
 
 log = logging.getLogger("trainguard.graceful")

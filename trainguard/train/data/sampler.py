@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..worker import runtime as rt_mod
+from ...errors import ConfigError
+from ...worker import runtime as rt_mod
 from .loaderseed import SampleKey, sample_seed
 
 

@@ -20,7 +20,7 @@ import stat
 import sys
 import time
 
-from ..config import TERMINAL_ENV
+from ...config import TERMINAL_ENV
 from .callbacks import Callback
 
 PROGRESS_EVERY_S = 0.5

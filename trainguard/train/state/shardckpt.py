@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import list_checkpoints, load_sharded, read_manifest, save_sharded
-from ..checkpoint.reshard import init_optimizer_state
-from ..errors import ConfigError
+from ...checkpoint import list_checkpoints, load_sharded, read_manifest, save_sharded
+from ...checkpoint.reshard import init_optimizer_state
+from ...errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

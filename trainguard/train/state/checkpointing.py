@@ -25,12 +25,12 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import jobsave
-from ..checkpoint.blob import unpack
-from ..checkpoint.format import checkpoint_name, new_manifest
-from ..checkpoint.retention import list_checkpoints, prune_checkpoints
-from ..errors import CheckpointError, ConfigError
-from ..worker import runtime as rt_mod
+from ...checkpoint import jobsave
+from ...checkpoint.blob import unpack
+from ...checkpoint.format import checkpoint_name, new_manifest
+from ...checkpoint.retention import list_checkpoints, prune_checkpoints
+from ...errors import CheckpointError, ConfigError
+from ...worker import runtime as rt_mod
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -45,7 +45,7 @@ class CheckpointConfig:
     keep_checkpoint_max: int = 5
     async_save: bool = True
     integrated_save: bool = True
-    exception_save: bool = False  # also save a dying-gasp checkpoint when the job stops (train/graceful.py)
+    exception_save: bool = False  # also save a dying-gasp checkpoint when the job stops (train/engine/graceful.py)
     append_info: dict = field(default_factory=dict)
     commit_timeout_seconds: float = 300.0  # how long rank 0 waits for the other ranks' files of one save
 
@@ -153,7 +153,7 @@ class ModelCheckpoint:
         if cfg.save_checkpoint_seconds is not None:
             # each rank's clock says something else: the ranks agree (one small all-reduce at the
             # commit point; a failure there fails the step), so every rank saves the same steps
-            from ..worker.transfer import all_max
+            from ...worker.transfer import all_max
 
             late = time.monotonic() - self._last_save >= cfg.save_checkpoint_seconds
             due = bool(all_max(int(late), session.rt.group)) or due

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ..errors import CollectiveFailed, ConfigError
+from ...errors import CollectiveFailed, ConfigError
 
 _TYPED = (CollectiveFailed, *((dist.DistError,) if hasattr(dist, "DistError") else ()))
 

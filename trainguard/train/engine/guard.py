@@ -19,7 +19,7 @@
   held, never patched: their `state_dict()` still pickles.
 - A fault anywhere (in a step, in an eval pass, in a barrier, in the script's own save) sends every
   rank back to the committed step: under `trainguard run` the script runs again from the top in the
-  same process, its objects refilled with the committed state (train/rewind.py), so every rank,
+  same process, its objects refilled with the committed state (train/engine/rewind.py), so every rank,
   the replacement included, goes through the same collectives from there. Started by hand (no
   `trainguard run`), a failed step recovers in place and a fault outside a step ends the process.
 - A stop vote (SIGTERM) ends the process at the commit point, exit 75, after a dying-gasp checkpoint
@@ -37,15 +37,15 @@ from pathlib import Path
 
 import torch
 
-from .. import rewinding
-from ..errors import CollectiveFailed, ConfigError, Rewind
-from ..worker import runtime as rt_mod
+from ... import rewinding
+from ...errors import CollectiveFailed, ConfigError, Rewind
+from ...worker import runtime as rt_mod
+from ..parallel import sharding
+from ..parallel.ddp import DataParallel
+from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
+from ..state.train_state import TrainState
 from . import rewind as rewind_mod
-from . import sharding
-from .checkpointing import CheckpointConfig, ExceptionCheckpoint
-from .parallel import DataParallel
 from .session import Session, SessionConfig
-from .state import TrainState
 
 log = logging.getLogger("trainguard.guard")
 CHECKPOINT_DIR_ENV = "TG_CHECKPOINT_DIR"
@@ -60,7 +60,7 @@ class Guard:
     def __init__(self, optimizer: "Optimizer"):
         self.optimizer = optimizer
         self.session: Session | None = None
-        self.model: torch.nn.Module | None = None  # a DataParallel, or a sharded model (train/sharding.py)
+        self.model: torch.nn.Module | None = None  # a DataParallel, or a sharded model (train/parallel/sharding.py)
         self.stateful: dict[str, object] = dict(_pending_state)
         self._armed = None
         self._hook = None  # the forward pre-hook on a sharded model
@@ -209,7 +209,7 @@ class Guard:
         except (SystemExit, Exception) as exc:  # leaving anyway; the scheduler learns it from the goodbye
             log.warning("rank %d: finishing: %s", session.rt.rank, exc)
 
-    # --- going back to the committed step (train/rewind.py) ----------------------------------------
+    # --- going back to the committed step (train/engine/rewind.py) ----------------------------------------
 
     def end_of_script(self) -> bool:
         """The script ran to its end: agree to finish, or (a peer failed meanwhile) go back. True: run again."""

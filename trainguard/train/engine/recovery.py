@@ -14,20 +14,20 @@ import logging
 import time
 from typing import Any, Protocol
 
-from ..checkpoint.blob import unpack
-from ..control.outcomes import RestoreDecision, SourceKind
-from ..control.reports import RestoreReport, ShardedRestoreReport
-from ..errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
-from ..worker.transfer import broadcast_int, recv_bytes, send_bytes
-from . import phase as elastic
+from ...checkpoint.blob import unpack
+from ...control.outcomes import RestoreDecision, SourceKind
+from ...control.reports import RestoreReport, ShardedRestoreReport
+from ...errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
+from ...worker.transfer import broadcast_int, recv_bytes, send_bytes
+from ..data import phase as elastic
+from ..state.train_state import TrainState, job_seed, reseed
 from .graceful import stop_on_fault
-from .state import TrainState, job_seed, reseed
 
 log = logging.getLogger("trainguard.session")
 
 
 class Recovering(Protocol):
-    """What a recovery reads and sets of its session (train/session.py's Session)."""
+    """What a recovery reads and sets of its session (train/engine/session.py's Session)."""
 
     rt: Any  # the worker runtime (worker/runtime.py)
     cfg: Any  # SessionConfig
