@@ -199,12 +199,11 @@ def test_worker_exit_code_names_worker_and_traceback(tmp_path: Path) -> None:
             except RuntimeError:
                 traceback.print_exc()
             sys.exit(3)
-        time.sleep(30)
+        time.sleep(600)
     """)
-    start = time.monotonic()
-    rc, _, err = _finish(_agent(tmp_path, script))
+    rc, _, err = _finish(_agent(tmp_path, script))  # worker 0 sleeps 600 s: the job ended, so it was stopped
     assert rc == 3
-    assert time.monotonic() - start < 10  # worker 0 was stopped, not waited for
+    assert "stopping the job" in err, err[-2000:]
     summary = err[err.index("trainguard: worker 1 (pid "):]
     assert "exited with code 3" in summary.splitlines()[0]
     assert "RuntimeError: boom in worker 1" in summary
@@ -315,15 +314,13 @@ def test_sigkill_after_grace_period(tmp_path: Path) -> None:
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("ready", flush=True)
-        time.sleep(30)
+        time.sleep(600)
     """)
     proc = _agent(tmp_path, script, nproc_per_node=1, grace_s=0.5)
     _read_until(proc, {"[worker 0] ready"})
-    start = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    rc, _, _ = _finish(proc)
+    rc, _, _ = _finish(proc)  # the worker ignores SIGTERM and sleeps 600 s: it ended, so the grace's SIGKILL came
     assert rc == 128 + signal.SIGINT
-    assert time.monotonic() - start < 5
 
 
 @pytest.mark.timeout(60)

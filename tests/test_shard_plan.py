@@ -125,6 +125,19 @@ def test_a_fresh_job_starts_fresh():
     assert d.fresh and d.step == 0 and kinds(d) == {"init"}
 
 
+def test_every_process_fresh_after_committed_steps_is_an_error_not_a_silent_restart():
+    """Found with tests/jobs/sharded_trainer.py (fsdp, 3 ranks): a kill, then a kill of the rank sending the
+    replacement its shard; the survivors failed the restore and were restarted, and the new processes, all
+    fresh, started the job over from step 0 and exited 0 with other weights. The scheduler knows the job
+    committed steps (its earlier decisions, the heartbeats), as for data parallelism."""
+    fresh = {r: rep(FSDP4, r, None) for r in range(4)}
+    err = decide_agreement("restore", fresh, known_step=3)
+    assert err.step is None and "committed 3 steps" in err.error and "TG_CHECKPOINT_DIR" in err.error
+    assert choose_sharded_restore({**fresh, 0: rep(FSDP4, 0, None, disk=[2])}, known_step=3).error  # not every rank
+    d = choose_sharded_restore({r: rep(FSDP4, r, None, disk=[2]) for r in range(4)}, known_step=3)
+    assert d.step == 2 and d.from_step == 3 and kinds(d) == {"disk"}
+
+
 def test_a_shard_map_from_the_ranks_keys_numbers_shards_in_rank_order_and_rings_buddies_across_shards():
     from trainguard.meshspec import ShardMap
 

@@ -31,11 +31,12 @@ WORLD = {"fsdp": 3, "hsdp-2x2": 4, "dptp-2x2": 4}
 
 
 def run(tmp: Path, name: str, layout: str, *args: str, faults: str = "", expect: int = 0,
-        ckpt: Path | None = None) -> str:
+        ckpt: Path | None = None, at_collective: str = "") -> str:
     out = tmp / name
     cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(WORLD[layout]), "--hot-spares", "0",
            "--recovery-path", str(out / "recovery"), str(JOB), layout, str(out), *args]
     extra = {"TG_CHECKPOINT_DIR": str(ckpt)} if ckpt is not None else {}
+    extra["TG_FAULT_COLLECTIVE"] = at_collective
     proc = subprocess.run(cmd, cwd=REPO, env=env(TG_FAULT=faults, **extra), capture_output=True, text=True,
                           timeout=300)
     log = proc.stdout + "\n--- stderr ---\n" + proc.stderr
@@ -123,6 +124,21 @@ def test_sigterm_stops_every_rank_with_its_shard_on_disk_and_a_rerun_goes_on_bit
     assert "resumed at step 4" in log or "resumed at step 5" in log, log[-4000:]
     (tmp_path / "fsdp").symlink_to(refs / "fsdp")
     assert_same_run(tmp_path, "faulty", "fsdp", "fsdp")
+
+
+def test_a_shard_lost_with_its_only_copy_ends_the_job_saying_so_and_never_starts_over(tmp_path):
+    """fsdp with a BatchNorm: every rank is its own shard, and its only copy is on its buddy. Rank 1 dies after
+    step 3; rank 2 dies as it sends rank 1's replacement that copy (its first `send`): shards 1 and 2 are gone
+    from memory, and there is no checkpoint. The job must fail, naming the cause and the fix; it once
+    restarted every process and trained again from step 0, exiting 0 with other weights."""
+    log = run(tmp_path, "faulty", "fsdp", "--bn", faults="1:3:kill", at_collective="2:send:1", expect=1)
+    kills = [line for line in log.splitlines() if line.startswith("[agent]") and "killed by signal SIGKILL" in line]
+    assert len(kills) == 2, log[-4000:]
+    assert "the job cannot be restored: no step can be restored on every shard" in log, log[-4000:]
+    assert "keep a replica of every shard" in log, log[-4000:]  # the fix it names
+    assert "resumed at step 0" not in log and "generation 4" not in log, log[-4000:]
+    assert all(e["source"] != "init" for e in events(tmp_path, "faulty") if e.get("event") == "restored"
+               and e["generation"] > 1)
 
 
 TUTORIAL = REPO / "examples" / "fsdp2_tutorial.py"

@@ -31,7 +31,7 @@ def decide_agreement(purpose: str, reports: dict[int, Report], known_step: int =
 def decide_restore(reports: dict[int, RestoreReport], known_step: int = 0) -> RestoreDecision:
     sharded = [isinstance(rep, ShardedRestoreReport) for rep in reports.values()]
     if all(sharded):
-        return choose_sharded_restore(reports)  # type: ignore[arg-type]
+        return choose_sharded_restore(reports, known_step)  # type: ignore[arg-type]
     if not any(sharded):
         return choose_restore(reports, known_step)
     mixed = sorted(r for r, rep in reports.items() if isinstance(rep, ShardedRestoreReport))

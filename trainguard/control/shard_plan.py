@@ -23,8 +23,9 @@ from .reports import ShardedRestoreReport
 from .restore_plan import choose_from_disk
 
 
-def choose_sharded_restore(reports: dict[int, ShardedRestoreReport]) -> RestoreDecision:
-    """`reports`: rank -> its report, for ranks 0..n-1."""
+def choose_sharded_restore(reports: dict[int, ShardedRestoreReport], known_step: int = 0) -> RestoreDecision:
+    """`reports`: rank -> its report, for ranks 0..n-1. `known_step`: the newest step the scheduler has seen the
+    job commit: with every live state and copy gone and no checkpoint, a fresh start would silently redo it."""
     ranks = sorted(reports)
     shard = {r: reports[r].shard for r in ranks}
     live = {r: reports[r].step for r in ranks if reports[r].step is not None}
@@ -40,8 +41,9 @@ def choose_sharded_restore(reports: dict[int, ShardedRestoreReport]) -> RestoreD
             return RestoreDecision(step=s, from_step=max(live.values(), default=s),
                                    sources=_sources(s, ranks, shard, live, memory))
     from_step = max(live.values(), default=None)
-    decision = choose_from_disk({r: reports[r].disk for r in ranks})
-    if live and decision.fresh:  # nothing to resume from, but ranks hold work: never start over silently
+    disks = {r: reports[r].disk for r in ranks}
+    decision = choose_from_disk(disks, known_step)
+    if live and not any(disks.values()):  # nothing to resume from, but ranks hold work: never start over silently
         have = "; ".join(f"rank {r}: shard {shard[r]}, step {live.get(r)}" for r in ranks)
         return failed_restore(f"no step can be restored on every shard ({have}) and there is no disk checkpoint; "
                               "give the job a checkpoint directory, or keep a replica of every shard", from_step)

@@ -113,8 +113,8 @@ class Recovery:
                     session.live.attach()  # this generation's shard map and copy exchange (collective)
                 t_agree = time.monotonic()
                 decision = rt.client.agree(rt.generation, "restore", self.report(), session.cfg.agree_timeout)
-                if decision.error is not None:
-                    raise RecoveryError(decision.error)
+                if decision.error is not None:  # no state to go on from: a restart would not bring it back
+                    stop_on_fault(session, f"the job cannot be restored: {decision.error}")
                 t_apply = time.monotonic()
                 self.apply(decision)
                 log.info("rank %d: agreed on step %s in %.0f ms, restored in %.0f ms", rt.rank, decision.step,
