@@ -13,9 +13,16 @@ another layout (MindSpore's "distributed fault recovery", reference 002).
 --layout picks the mesh: dpAxtpB (a ("dp", "tp") mesh, tp fastest: ranks (0, 1) split every
 attention and MLP projection between them (Colwise q/k/v and fc1, Rowwise out and fc2; each holds
 heads // tp heads), and ranks (0, 2) are data-parallel replicas), fsdpN (fully_shard over N ranks:
-no replica) or hsdpRxS (fully_shard on a (replicate, shard) mesh). The loop runs under
-`trainguard.ShardedJob`: a killed rank is restored from a live replica, else from a buddy's
-in-memory copy, else from disk, and the result is bit-identical to an uninterrupted run.
+no replica) or hsdpRxS (fully_shard on a (replicate, shard) mesh).
+
+It is a plain torch.distributed script; the 8 lines marked `# trainguard` are the port. The model and
+optimizer are built once, in the script's own loop; a killed rank is replaced, and every rank goes
+back to the committed step (the survivors run the script again in their processes and keep their
+shards; the replacement takes its shard from a live replica, else from the in-memory copy its buddy
+holds, else from the newest sliced checkpoint), and the result is bit-identical to an uninterrupted
+run. `trainguard.ShardedCheckpoints` saves every --save-steps steps and at a stop (SIGTERM: every rank
+stops at one step, saves, exits 75); a run started with --resume goes on from the newest one on
+whatever layout it now has, resharding the slices.
 
 The text is the source of a few standard-library modules, read as bytes (vocabulary 0-255), so
 nothing is downloaded. The global batch does not depend on the layout: each step is
@@ -42,14 +49,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-import trainguard
-from trainguard.train.state import parallel_strategy
+import trainguard  # trainguard
+from trainguard import fully_shard, init_device_mesh, parallelize_module  # trainguard: were torch's
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the LM head's output is a view; no in-place op follows
 PREFIX = "transformer"
@@ -75,8 +78,6 @@ parser.add_argument("--ckpt-dir", default="", help=f"save checkpoints here as {P
 parser.add_argument("--save-steps", type=int, default=10)
 parser.add_argument("--integrated", action="store_true", help="save whole tensors (one file) instead of slices")
 parser.add_argument("--resume", action="store_true", help="go on from the newest complete checkpoint in --ckpt-dir")
-parser.add_argument("--snapshot-every", type=int, default=0,
-                    help="steps between in-memory copies (default: as often as costs at most 3%% of the time)")
 parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the model lives (cuda: every process on its local GPU, or sharing one)")
 parser.add_argument("--out", default="", help="rank 0 writes the final model and optimizer state here")
@@ -92,14 +93,11 @@ if not match or not all(int(g) >= 1 for g in match.groups() if g is not None):
     parser.error(f"--layout {args.layout!r}: use dpAxtpB, fsdpN or hsdpRxS with degrees >= 1, e.g. dp2xtp2")
 dp_, tp_, fsdp_, rep_, shard_ = (int(g) if g else 0 for g in match.groups())
 if dp_:
-    KIND, TP, DATA = "dpxtp", tp_, dp_
-    SPEC = trainguard.MeshSpec((dp_, tp_), ("dp", "tp"), replicate=("dp",))
+    KIND, TP, DATA, SHAPE, NAMES = "dpxtp", tp_, dp_, (dp_, tp_), ("dp", "tp")
 elif fsdp_:
-    KIND, TP, DATA = "fsdp", 1, fsdp_
-    SPEC = trainguard.MeshSpec((fsdp_,), ("fsdp",))
+    KIND, TP, DATA, SHAPE, NAMES = "fsdp", 1, fsdp_, (fsdp_,), ("fsdp",)
 else:
-    KIND, TP, DATA = "hsdp", 1, rep_ * shard_
-    SPEC = trainguard.MeshSpec((rep_, shard_), ("replicate", "shard"), replicate=("replicate",))
+    KIND, TP, DATA, SHAPE, NAMES = "hsdp", 1, rep_ * shard_, (rep_, shard_), ("replicate", "shard")
 MICRO = args.micro_batches or (2 if KIND == "dpxtp" else DATA)
 if MICRO % DATA or (KIND != "dpxtp" and MICRO != DATA):
     parser.error(f"--micro-batches {MICRO}: must be a multiple of the {DATA} data ranks (with FSDP: one per data "
@@ -107,10 +105,12 @@ if MICRO % DATA or (KIND != "dpxtp" and MICRO != DATA):
 if args.heads % TP or args.d_model % args.heads:
     parser.error(f"--heads {args.heads} must divide --d-model {args.d_model} and be divisible by tp={TP}")
 
-trainguard.init()
-rank, world = trainguard.get_rank(), trainguard.get_world_size()
-SPEC.check_world(world)
-torch.manual_seed(0)  # the job's seed (every step re-seeds from it, the rank and the step): the same in every run
+trainguard.init()  # trainguard: was dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+if world != int(np.prod(SHAPE)):
+    parser.error(f"the layout {args.layout or f'dp{args.dp}xtp{args.tp}'} needs {int(np.prod(SHAPE))} processes, "
+                 f"not {world}")
+torch.manual_seed(0)  # the job's seed (under trainguard every step re-seeds from it, the rank and the step)
 
 # --- data: standard-library sources as bytes, a fixed 90/10 split ------------------------
 lib = os.path.dirname(os.__file__)
@@ -170,74 +170,49 @@ class CharLM(nn.Module):
         return self.head(self.ln(x))
 
 
-def build(mesh):
-    """The modules and optimizer for this generation's mesh: trainguard calls it at the start and after
-    every regroup, then fills them with the job's state."""
-    torch.manual_seed(0)
-    model = CharLM().to(args.device)  # initialised on the CPU: the same values on every device
-    if KIND == "dpxtp":
-        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-                "attn.out": RowwiseParallel(), "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-        for block in model.blocks:
-            parallelize_module(block, mesh["tp"], plan)
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-
-
-def layout_name(doc: dict | None) -> str:
-    mesh = (doc or {}).get("mesh") or {}
-    return " x ".join(f"{n}={s}" for n, s in zip(mesh.get("dim_names", ()), mesh.get("shape", ()))) or "unknown"
-
-
-# --- the job: live recovery, in-memory copies, sliced checkpoints ----------------------------
-ckpt = trainguard.ShardedCheckpoints(args.ckpt_dir, PREFIX, every=args.save_steps, integrated=args.integrated,
-                                     resume=args.resume) if args.ckpt_dir else None
-previous = parallel_strategy.read(Path(args.ckpt_dir)) if ckpt is not None and args.resume else None
-job = trainguard.ShardedJob(build, SPEC, max_steps=args.steps, checkpoints=ckpt,
-                            snapshot_every=args.snapshot_every or None, device=args.device)
-job.start()  # fresh, from disk (--resume), or, for a replacement, from a replica or a buddy's copy
-layout = parallel_strategy.describe(job.model, world, mesh=job.mesh)
-if rank == 0 and job.source_kind == "disk":
-    if previous is not None and previous["world_size"] != world:
-        print(f"the device count changed ({previous['world_size']} -> {world}): resharding from "
-              f"{layout_name(previous)} to {layout_name(layout)}", flush=True)
-    where = f"dp={DATA} x tp={TP}" if KIND == "dpxtp" else SPEC.describe()
-    print(f"resumed from {ckpt.folder(job.step)} at step {job.step} on {where}", flush=True)
-elif args.resume and rank == 0 and job.step == 0:
-    print(f"no complete checkpoint in {args.ckpt_dir}; starting from step 0", flush=True)
-if ckpt is not None and rank == 0:  # strategy.json: this run's layout, next to the checkpoints it writes
-    parallel_strategy.write(layout, [Path(args.ckpt_dir)])
+# --- the job: the mesh, the sharded model, sliced checkpoints ----------------------------------
+mesh = init_device_mesh(args.device, SHAPE, mesh_dim_names=NAMES)
+torch.manual_seed(0)
+model = CharLM().to(args.device)  # initialised on the CPU: the same values on every device
+if KIND == "dpxtp":
+    parallelize_module(model, mesh["tp"], {f"blocks.*.{name}": style for name, style in (
+        ("attn.q", ColwiseParallel()), ("attn.k", ColwiseParallel()), ("attn.v", ColwiseParallel()),
+        ("attn.out", RowwiseParallel()), ("fc1", ColwiseParallel()), ("fc2", RowwiseParallel()))})
+else:
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+saves = dict(every=args.save_steps, integrated=args.integrated, resume=args.resume)  # trainguard: sliced checkpoints
+ckpt = trainguard.ShardedCheckpoints(args.ckpt_dir, PREFIX, **saves) if args.ckpt_dir else None  # trainguard
+optimizer = trainguard.Optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01), checkpoints=ckpt)  # trainguard
+start = trainguard.start_step()  # trainguard: where the job is (0, a checkpoint, the committed step after a fault)
+if rank == 0:
+    where = f"dp={DATA} x tp={TP}" if KIND == "dpxtp" else " x ".join(f"{n}={s}" for n, s in zip(NAMES, SHAPE))
+    print(f"training steps {start + 1}..{args.steps} on {where}", flush=True)
 
 # --- train -----------------------------------------------------------------------------------
 per_rank = MICRO // DATA
-for step in job.steps():  # SIGTERM / SIGINT / SIGUSR1: every rank stops at one step, saves, exits 75
-    with step:  # a failed collective (a peer died) is caught here; the job recovers and goes on
-        model, optimizer, mesh = job.model, job.optimizer, job.mesh
-        data_rank = mesh.get_local_rank("dp") if KIND == "dpxtp" else rank
-        data_group = mesh.get_group("dp") if KIND == "dpxtp" else None
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=args.device)
-        for i in range(per_rank):
-            x, y = (t.to(args.device) for t in micro_batch(step.number, data_rank * per_rank + i))
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()  # gradients of the micro-batches add up in .grad (FSDP: averaged over the mesh)
-            loss_sum += loss.detach()
-        with torch.no_grad():
-            if KIND == "dpxtp":  # data parallel: sum over the dp group, then the mean over all micro-batches
-                for p in model.parameters():
-                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    dist.all_reduce(grad, group=data_group)
-                    grad.div_(MICRO)
-            dist.all_reduce(loss_sum, group=data_group)
-        optimizer.step()  # the commit point
-    if rank == 0 and step.failure is None and step.number % args.log_every == 0:
+data_rank = mesh.get_local_rank("dp") if KIND == "dpxtp" else rank
+data_group = mesh.get_group("dp") if KIND == "dpxtp" else None
+for number in range(start + 1, args.steps + 1):
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=args.device)
+    for i in range(per_rank):
+        x, y = (t.to(args.device) for t in micro_batch(number, data_rank * per_rank + i))
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()  # gradients of the micro-batches add up in .grad (FSDP: averaged over the mesh)
+        loss_sum += loss.detach()
+    with torch.no_grad():
+        if KIND == "dpxtp":  # data parallel: sum over the dp group, then the mean over all micro-batches
+            for p in model.parameters():
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(grad, group=data_group)
+                grad.div_(MICRO)
+        dist.all_reduce(loss_sum, group=data_group)
+    optimizer.step()
+    if rank == 0 and number % args.log_every == 0:
         loss = np.float32((loss_sum / MICRO).item())
-        print(f"epoch: 1 step: {step.number}, loss is {str(loss)}", flush=True)
+        print(f"epoch: 1 step: {number}, loss is {str(loss)}", flush=True)
 
 
 def whole(v):
@@ -246,8 +221,8 @@ def whole(v):
 
 
 if args.out:  # whole tensors, gathered by every rank, written by rank 0
-    final = {"model": {k: whole(v) for k, v in job.model.state_dict().items()},
+    final = {"model": {k: whole(v) for k, v in model.state_dict().items()},
              "optim": {str(i): {k: whole(v) for k, v in s.items()}
-                       for i, s in job.optimizer.state_dict()["state"].items()}}
-    if trainguard.get_rank() == 0:
-        trainguard.save_state(args.out, final)
+                       for i, s in optimizer.state_dict()["state"].items()}}
+    if rank == 0:
+        trainguard.save_state(args.out, final)  # trainguard: safetensors of nested dicts, for comparing runs

@@ -20,7 +20,7 @@ from trainguard.checkpoint.format import (
     read_checkpoint,
     save_checkpoint,
 )
-from trainguard.checkpoint.manifest import read_manifest
+from trainguard.checkpoint.manifest import Kind, read_manifest
 from trainguard.checkpoint.retention import list_checkpoints, prune_checkpoints
 from trainguard.errors import CheckpointCorrupt, CheckpointError
 
@@ -376,7 +376,7 @@ def test_list_checkpoints_sorts_by_step_and_ignores_the_rest(tmp_path):
     (tmp_path / "ck-1_8").write_text("a file")
     infos = list_checkpoints(tmp_path, "ck")
     assert [(i.path.name, i.step) for i in infos] == [("ck-1_2", 2), ("ck-1_9", 9), ("ck-1_10", 10)]
-    assert infos[0] == CheckpointInfo(tmp_path / "ck-1_2", 2, 1, 2)
+    assert infos[0] == CheckpointInfo(tmp_path / "ck-1_2", 2, 1, 2, Kind.SINGLE)
     assert list_checkpoints(tmp_path / "nope", "ck") == []
 
 

@@ -10,7 +10,9 @@ must continue its loss curve:
   whatever dp is, every micro-batch's gradient is computed on the same tp=2 split, and the sum of
   two gradients is the same whether one rank accumulates them or two ranks all-reduce them.
 
-Resuming on the same layout from disk is tested live in test_sharded_recovery.py (fsdp4's second round).
+The example runs on the one engine: its own loop, `trainguard.ShardedCheckpoints` given to
+`trainguard.Optimizer`. Resuming on the same layout from disk is tested live in test_sharded_recovery.py
+(fsdp4's second round).
 """
 
 from __future__ import annotations
@@ -49,9 +51,15 @@ def resume(base, tmp_path, step: int, workers: int, dp: int, tp: int, *extra: st
     folder = tmp_path / f"dp{dp}xtp{tp}"
     shutil.copytree(base / f"transformer-1_{step}", folder / f"transformer-1_{step}")
     losses = train(folder, workers, dp, tp, "--resume", *extra)
-    assert f"resumed from {folder / f'transformer-1_{step}'} at step {step} on dp={dp} x tp={tp}" in \
-        (folder / "launcher.log").read_text()
+    assert_resumed(folder, step, dp, tp)
     return losses, folder
+
+
+def assert_resumed(folder, step: int, dp: int, tp: int) -> None:
+    log = (folder / "launcher.log").read_text()
+    assert f"resumed at step {step} (epoch 0, batch {step}) from the checkpoint on disk " \
+           f"({folder / f'transformer-1_{step}'})" in log, log[-3000:]
+    assert f"training steps {step + 1}..{STEPS} on dp={dp} x tp={tp}" in log, log[-3000:]
 
 
 def assert_same_state(a, b) -> None:
@@ -69,6 +77,16 @@ def base(tmp_path_factory):
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert float(losses[STEPS]) < float(losses[1]) - 1.5, losses  # it learns: ~5.8 -> ~3 nats
     return losses, folder
+
+
+def test_the_port_is_at_most_ten_marked_lines():
+    """The example is a plain torch.distributed script; the lines that make it a trainguard job are marked."""
+    text = (REPO / "examples" / "transformer_tp.py").read_text()
+    marked = [line for line in text.splitlines() if re.search(r"# trainguard(:|$)", line)]
+    assert 0 < len(marked) <= 10, marked
+    code = [line for line in text.split('"""', 2)[2].splitlines() if not line.lstrip().startswith("#")]
+    assert all(line in marked for line in code if re.search(r"\btrainguard\b", line.split("#")[0])), \
+        "a line that uses trainguard is not marked"
 
 
 def test_sliced_checkpoints_and_their_replica_groups(base):
@@ -145,8 +163,9 @@ def test_sigterm_at_4_workers_then_resume_at_2_continues_the_curve(base, tmp_pat
 
     resumed = train(ckpt, 2, 1, 2, "--resume")
     log = (ckpt / "launcher.log").read_text()
-    assert "the device count changed (4 -> 2): resharding from dp=2 x tp=2 to dp=1 x tp=2" in log
-    assert f"resumed from {ckpt / f'transformer-1_{step}'} at step {step} on dp=1 x tp=2" in log
+    assert (f"the device count changed (4 -> 2): resharding transformer-1_{step} from dp=2 x tp=2 to dp=1 x tp=2"
+            in log), log[-3000:]
+    assert_resumed(ckpt, step, 1, 2)
     assert resumed == {s: losses[s] for s in range(step + 1, STEPS + 1)}
     assert_same_state(ckpt / f"transformer-1_{STEPS}", folder / f"transformer-1_{STEPS}")
     assert tg.restore_group_info_list(ckpt / f"transformer-1_{STEPS}", 0) == [0]  # dp=1: no replica

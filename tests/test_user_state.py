@@ -54,6 +54,18 @@ def test_the_optimizer_wrapper_leaves_the_lr_scheduler_as_it_was():
         guard_mod._guard = None  # this process has no job: forget the wrapper
 
 
+def test_checkpoints_given_to_the_optimizer_are_checked_when_the_script_makes_them(tmp_path):
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(tg.ConfigError, match="give trainguard.ShardedCheckpoints"):
+        tg.Optimizer(opt, checkpoints=str(tmp_path))
+    for bad, match in (({"every": -1}, "must be >= 0"), ({"keep": -2}, "must be >= 0"),
+                       ({"prefix": "../x"}, "plain name"), ({"directory": ""}, "needs a directory")):
+        with pytest.raises(tg.ConfigError, match=match):
+            tg.ShardedCheckpoints(**{"directory": tmp_path, **bad})
+    with pytest.raises(AttributeError, match="ShardedJob was removed: sharded models run on the one engine"):
+        tg.ShardedJob  # noqa: B018
+
+
 def test_every_collective_comes_out_typed_and_a_failed_generation_fails_at_once(tmp_path):
     """Two real processes in a gloo group; the peer dies; the survivor's all_reduce raises CollectiveFailed,
     and the next collective of that generation fails at once instead of waiting."""

@@ -43,7 +43,7 @@ _LAZY = {
     "save_sharded": "checkpoint.sharded", "load_sharded": "checkpoint.reshard",
     "init_optimizer_state": "checkpoint.reshard", "recover_rank": "checkpoint.replicas",
     "fully_shard": "train.parallel.sharding", "parallelize_module": "train.parallel.sharding", "init_device_mesh": "train.parallel.sharding",
-    "ShardedJob": "train.shardjob", "MeshSpec": "meshspec", "ShardedCheckpoints": "train.state.shardckpt",
+    "MeshSpec": "meshspec", "ShardedCheckpoints": "train.state.shardckpt",
 }
 # MindSpore-style names (compat/mindspore.py), reachable here too for scripts written before it
 _MINDSPORE = ("Callback", "CheckpointConfig", "ExceptionCheckpoint", "LossMonitor", "Model", "ModelCheckpoint",
@@ -57,7 +57,17 @@ __all__ = sorted(set(_LAZY) - set(_MINDSPORE)) + [
 ]
 
 
+_REMOVED = {
+    "ShardedJob": "trainguard.ShardedJob was removed: sharded models run on the one engine. Build the model once "
+                  "with trainguard.fully_shard / parallelize_module on a trainguard.init_device_mesh, wrap the "
+                  "optimizer in trainguard.Optimizer(..., checkpoints=trainguard.ShardedCheckpoints(...)) and loop "
+                  "from trainguard.start_step() (examples/transformer_tp.py)",
+}
+
+
 def __getattr__(name: str):
+    if name in _REMOVED:
+        raise AttributeError(_REMOVED[name])
     if name not in _LAZY:
         raise AttributeError(f"module 'trainguard' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

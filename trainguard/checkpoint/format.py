@@ -36,6 +36,7 @@ from .layout import CheckpointLayout
 from .manifest import (
     MANIFEST,
     FileEntry,
+    Kind,
     bad_file_name,
     new_manifest,
     read,
@@ -56,6 +57,7 @@ class CheckpointInfo:
     step: int
     epoch: int
     world_size: int
+    kind: Kind = Kind.JOB  # what the folder holds: a training job's per-rank files, or a layout's slices
 
 
 def checkpoint_name(prefix: str, epoch: int, step_in_epoch: int) -> str:

@@ -46,7 +46,7 @@ def list_checkpoints(directory: Path, prefix: str) -> list[CheckpointInfo]:
     found = []
     for path in entries:
         if pattern.match(path.name) and path.is_dir() and (m := _is_complete(path)) is not None:
-            found.append(CheckpointInfo(path, m.step, m.epoch, m.world_size))
+            found.append(CheckpointInfo(path, m.step, m.epoch, m.world_size, m.kind))
     return sorted(found, key=lambda c: (c.step, c.epoch, c.path.name))
 
 

@@ -1,6 +1,6 @@
 """What an agreement decides (protocol.Agreed), one model per purpose, shared by the scheduler's plans
 (restore_plan.py, shard_plan.py, decisions.py) and the workers that act on them (train/engine/recovery.py,
-train/shardrecover.py, worker/runtime.py).
+train/parallel/livecopies.py, worker/runtime.py).
 
 `purpose` tells the models apart on the wire; a worker reads the fields, never a key it guesses.
 """

@@ -126,7 +126,8 @@ def stop_on_fault(session, reason: str) -> NoReturn:
         items, notes = dump_targets(session.capture(), rt, patience=GOODBYE_PATIENCE_S)
         for note in notes:
             print(f"trainguard: rank {rt.rank}: dump: {note}", file=sys.stderr, flush=True)
-        result = write_dying_gasp(session.gasp_savers, items, steps_per_epoch=session.steps_per_epoch,
+        savers = [s for s in session.gasp_savers if not s.collective]  # a collective save needs the dead peers
+        result = write_dying_gasp(savers, items, steps_per_epoch=session.steps_per_epoch,
                                   world_size=rt.world_size, grace=rt.cfg.grace_period, deadline=deadline,
                                   settle=GOODBYE_PATIENCE_S)
     saved = f"; {result.describe()}" if result is not None else ""

@@ -24,6 +24,9 @@
   `trainguard run`), a failed step recovers in place and a fault outside a step ends the process.
 - A stop vote (SIGTERM) ends the process at the commit point, exit 75, after a dying-gasp checkpoint
   into TG_CHECKPOINT_DIR, else `<recovery path>/checkpoints`.
+- `checkpoints=trainguard.ShardedCheckpoints(directory, prefix, every=N)`: sliced checkpoints every N steps
+  and at a stop, which the job restores from when no live copy is left, and which resume on another layout
+  (train/state/shardckpt.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ...worker import runtime as rt_mod
 from ..parallel import sharding
 from ..parallel.ddp import DataParallel
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
+from ..state.shardckpt import ShardedCheckpoints, ShardedSaver
 from ..state.train_state import TrainState
 from . import rewind as rewind_mod
 from .session import Session, SessionConfig
@@ -82,10 +86,13 @@ class Guard:
             raise ConfigError("the optimizer's parameters are sharded (DTensors), but trainguard does not know their "
                               "model: call trainguard.fully_shard / trainguard.parallelize_module instead of torch's "
                               "(the same arguments)")
-        state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler, extra=self.stateful)
+        state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler, extra=self.stateful,
+                           sharded=sharding.is_sharded(model))
         rt = rt_mod.current()
         callbacks = []
-        root = os.environ.get(CHECKPOINT_DIR_ENV) or (
+        if opt.checkpoints is not None:
+            callbacks.append(ShardedSaver(opt.checkpoints, state, rt, sharding.job_mesh()))
+        root = os.environ.get(CHECKPOINT_DIR_ENV) or (  # the per-rank dying gasp, which a dump after a fault writes too
             str(Path(rt.cfg.recovery_path) / "checkpoints") if rt.cfg.recovery_path is not None else "")
         if root:
             callbacks.append(ExceptionCheckpoint("job", root, CheckpointConfig(exception_save=True)))
@@ -216,6 +223,10 @@ class Guard:
         session = self.session
         if session is None or session.rt.finished:
             return False
+        try:
+            session.flush_saves()  # the last step's checkpoint, due since its commit
+        except rewind_mod.FAULTS as exc:
+            return rewind_mod.prepare(exc)
         if session.finish(recover=False):
             self.finished = True
             return False
@@ -269,7 +280,8 @@ class Optimizer:
     """Wraps a torch optimizer: `step()` is the commit point (see the module docstring). An LR scheduler
     given here is restored with the rest; it is held, not changed."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None,
+                 checkpoints: ShardedCheckpoints | None = None):
         global _guard
         if isinstance(optimizer, Optimizer):
             raise ConfigError("this optimizer is wrapped twice in trainguard.Optimizer")
@@ -280,8 +292,12 @@ class Optimizer:
             if lr_scheduler is not None and not callable(getattr(lr_scheduler, name, None)):
                 raise ConfigError(f"lr_scheduler has no {name}(): give a torch LR scheduler or any object with "
                                   "state_dict() and load_state_dict()")
+        if checkpoints is not None and not isinstance(checkpoints, ShardedCheckpoints):
+            raise ConfigError(f"checkpoints={type(checkpoints).__name__}: give trainguard.ShardedCheckpoints(directory, "
+                              "prefix, every=N)")
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        self.checkpoints = checkpoints
         _guard = self.guard = Guard(self)
         _pending_state.clear()
 
@@ -309,7 +325,7 @@ class Optimizer:
         self.optimizer.add_param_group(group)
 
     def __getattr__(self, name: str):  # anything else (defaults, hooks, ...) is the wrapped optimizer's
-        if name in ("optimizer", "guard", "lr_scheduler"):  # not set yet (e.g. a copy under construction)
+        if name in ("optimizer", "guard", "lr_scheduler", "checkpoints"):  # not set yet (e.g. a copy under construction)
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 

@@ -139,7 +139,7 @@ class Recovery:
         s = decision.step
         mine = decision.source(rt.rank)
         kind = mine.kind
-        taken = None
+        taken, folder = None, None
         live = session.live
         received = live.transfer(decision) if live is not None else None  # sharded: every pair, in one order
         if kind is SourceKind.PEER:
@@ -147,7 +147,7 @@ class Recovery:
         elif kind is SourceKind.MEMORY:  # sharded: this rank's own copy of an earlier step
             taken = unpack(live.own_copy(s), f"the in-memory copy of step {s}")
         elif kind is SourceKind.DISK:
-            taken = session.disk_sources.load(s)
+            taken, folder = session.disk_sources.load(s)
         elif kind is SourceKind.INIT:  # a fresh job: everyone starts from rank 0's parameters and seed
             if session.sync is not None:
                 session.state.model.broadcast_from(0, rt.group)
@@ -180,7 +180,7 @@ class Recovery:
         # the stream of the step after s is now where the commit of s left it in a run without a fault: the script's
         # own draws before its next forward (a batch it makes itself) continue it, as they did there
         session.rng_touched = False
-        session.source = mine.words()
+        session.source = f"{mine.words()} ({folder})" if kind is SourceKind.DISK else mine.words()
         if live is not None:
             live.restored()  # every rank copies the step it now holds
         rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind.value, peer=mine.peer,

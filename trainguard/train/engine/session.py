@@ -46,9 +46,10 @@ from ...errors import (
 )
 from ..parallel.ddp import DataParallel
 from ..parallel.livecopies import LiveCopies
-from ..parallel.sharding import is_sharded
+from ..parallel.sharding import is_sharded, job_mesh
 from ..state import parallel_strategy
 from ..state.checkpointing import DiskSources
+from ..state.shardckpt import ShardedSaver
 from ..state.train_state import TrainState, reseed
 from . import rewind
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
@@ -104,7 +105,7 @@ class Session:
         self.phase = elastic.Phase()  # the sampler's phase within the epoch (changes only under elastic)
         self.disk_sources = DiskSources(checkpoint, *self.callbacks)
         self.gasp_savers = [c for c in self.disk_sources if c.saves_dying_gasp]
-        if self.strategy.dump and not self.gasp_savers:
+        if self.strategy.dump and not any(not c.collective for c in self.gasp_savers):
             raise ConfigError(f"the recover strategy {self.strategy} dumps a dying-gasp checkpoint on a fault, but "
                               "this session has nowhere to write it: add ModelCheckpoint(..., CheckpointConfig("
                               "exception_save=True)) or ExceptionCheckpoint(...) to its callbacks")
@@ -197,7 +198,7 @@ class Session:
         rewind.track(self)
         self._recover(form=False, reason="")
         self.recovery.members = self.rt.members
-        parallel_strategy.write_for(self)
+        parallel_strategy.write_for(self, job_mesh())
         if self.rt.rank == 0 and self.step:  # a rerun (or a replaced rank 0) says where it stands
             print(f"trainguard: resumed at step {self.step} (epoch {self.epoch}, batch {self.in_epoch}) "
                   f"from {self.source}", flush=True)
@@ -363,6 +364,12 @@ class Session:
         objects hold it before the job agrees, and this rank reports it as its live state."""
         self.take_blob(blob, "kept state")
         self.holds_state = True
+
+    def flush_saves(self) -> None:
+        """The user's own loop ended: write a checkpoint its last commit left due (collective)."""
+        for src in self.disk_sources:
+            if isinstance(src, ShardedSaver):
+                src.flush(self)
 
     def _recover(self, *, form: bool, reason: str) -> None:
         self.recovery.run(form=form, reason=reason)

@@ -40,6 +40,7 @@ except ImportError:  # a torch without DTensor: nothing is sharded
     DTensor = Replicate = ()  # type: ignore[assignment,misc]
 
 _noted: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_meshes: list = []  # the last DeviceMesh made by init_device_mesh: the job's whole mesh
 
 
 def fully_shard(module, *args, **kwargs):
@@ -72,7 +73,14 @@ def init_device_mesh(device_type: str, mesh_shape, *args, **kwargs):
     mesh = torch_init_device_mesh(device_type, tuple(mesh_shape), *args, **kwargs)
     if rt is not None and rt.backend == "gloo":  # NCCL's own connections are not ours to cut (it is aborted)
         rt.track_sockets(before)
+    _meshes[:] = [mesh]
     return mesh
+
+
+def job_mesh():
+    """The job's whole DeviceMesh: the last one `init_device_mesh` made (None: none was made). Parameters may
+    live on sub-meshes of it (DP x TP: the DTensors on "tp", data parallelism by hand over "dp")."""
+    return _meshes[0] if _meshes else None
 
 
 def model_of(optimizer: torch.optim.Optimizer) -> nn.Module | None:

@@ -28,9 +28,11 @@ from pathlib import Path
 from ...checkpoint import jobsave
 from ...checkpoint.blob import unpack
 from ...checkpoint.format import checkpoint_name, new_manifest
+from ...checkpoint.manifest import Kind
 from ...checkpoint.retention import list_checkpoints, prune_checkpoints
 from ...errors import CheckpointError, ConfigError
 from ...worker import runtime as rt_mod
+from .shardckpt import ShardedSaver
 
 log = logging.getLogger("trainguard.checkpoint")
 
@@ -101,6 +103,8 @@ def when_main_thread_ends(func, *args) -> None:
 
 
 class ModelCheckpoint:
+    collective = False  # each rank writes its own part: a dump after a fault can write too
+
     def __init__(self, prefix: str = "ckpt", directory: str | Path = "checkpoints",
                  config: CheckpointConfig | None = None):
         if not prefix or "/" in prefix or prefix.startswith("."):
@@ -124,7 +128,7 @@ class ModelCheckpoint:
         return self.root
 
     def _complete(self, world_size: int) -> list:
-        return [c for c in list_checkpoints(self.root, self.prefix) if c.world_size == world_size]
+        return [c for c in list_checkpoints(self.root, self.prefix) if c.kind is Kind.JOB and c.world_size == world_size]
 
     def complete_steps(self) -> list[int]:
         """Steps this job (its world size) can restore from disk. A save still waiting for a peer
@@ -132,9 +136,9 @@ class ModelCheckpoint:
         self.settle(SETTLE_PATIENCE_S)
         return [c.step for c in self._complete(rt_mod.current().world_size)]
 
-    def load(self, step: int) -> dict:
-        """{"shared": ..., "own": ...} of this rank at `step`, verified; CheckpointCorrupt names the file.
-        A missing or corrupt file of this rank is read from a bit-identical replica, and rewritten."""
+    def load(self, step: int) -> tuple[dict, Path]:
+        """({"shared": ..., "own": ...} of this rank at `step`, verified, and its folder); CheckpointCorrupt names
+        the file. A missing or corrupt file of this rank is read from a bit-identical replica, and rewritten."""
         rt = rt_mod.current()
         for info in reversed(self._complete(rt.world_size)):
             if info.step == step:
@@ -142,7 +146,7 @@ class ModelCheckpoint:
                 if source != jobsave.rank_file(rt.rank):
                     self._emit("checkpoint_repaired", rank=rt.rank, step=step, folder=str(info.path),
                                file=jobsave.rank_file(rt.rank), replica=source)
-                return state
+                return state, info.path
         raise CheckpointError(f"no complete checkpoint of step {step} for {rt.world_size} ranks in {self.root}")
 
     # --- when -----------------------------------------------------------------------------
@@ -299,23 +303,27 @@ class ExceptionCheckpoint(ModelCheckpoint):
 
 
 class DiskSources(list):
-    """The distinct ModelCheckpoints among `candidates` (by directory and prefix): where a session
-    finds complete steps on disk and loads one, whichever of them holds it."""
+    """The distinct disk sources among `candidates` (ModelCheckpoints by directory and prefix, and the sliced
+    checkpoints of a sharded job, train/state/shardckpt.py): where a session finds complete steps on disk and
+    loads one, whichever of them holds it."""
 
     def __init__(self, *candidates):
-        unique: dict[tuple, ModelCheckpoint] = {}
+        unique: dict[tuple, object] = {}
         for c in candidates:
             if isinstance(c, ModelCheckpoint):
                 key = (c.root.resolve(), c.prefix)
                 if key in unique and unique[key] is not c:
                     c.add_sibling(unique[key])  # settle/wait covers the one it replaces
                 unique[key] = c
+            elif isinstance(c, ShardedSaver):
+                unique[(id(c),)] = c
         super().__init__(unique.values())
 
     def complete_steps(self) -> list[int]:
         return sorted({s for src in self for s in src.complete_steps()})
 
-    def load(self, step: int) -> dict:
+    def load(self, step: int) -> tuple[dict, Path]:
+        """This rank's state at `step` ({"shared": ..., "own": ...}) and the folder it came from."""
         errors = []
         for src in self:
             try:

@@ -93,11 +93,21 @@ def read(directory: Path) -> dict | None:
     return doc
 
 
-def write_for(session) -> list[Path]:
-    """Rank 0 writes the session's layout where recovery and its disk checkpoints live."""
+def mesh_words(doc: dict | None) -> str:
+    """A layout document's mesh in words: "dp=2 x tp=2" (a plain data-parallel job: "dp=<world size>")."""
+    mesh = (doc or {}).get("mesh") or {}
+    if not mesh and (doc or {}).get("world_size"):
+        return f"dp={doc['world_size']}"
+    names = mesh.get("dim_names") or [f"dim{i}" for i in range(len(mesh.get("shape", ())))]
+    return " x ".join(f"{n}={s}" for n, s in zip(names, mesh.get("shape", ()))) or "unknown"
+
+
+def write_for(session, mesh=None) -> list[Path]:
+    """Rank 0 writes the session's layout where recovery and its disk checkpoints live (`mesh`: the job's whole
+    DeviceMesh, see `describe`)."""
     rt = session.rt
     if rt.rank != 0 or session.state.model is None:
         return []
     dirs = [rt.cfg.recovery_path] if rt.cfg.recovery_path is not None else []
     dirs += [src.root for src in session.disk_sources]
-    return write(describe(session.state.model, rt.world_size, rt.generation), dirs) if dirs else []
+    return write(describe(session.state.model, rt.world_size, rt.generation, mesh), dirs) if dirs else []

@@ -1,23 +1,43 @@
-"""Sliced disk checkpoints of a sharded job (`{prefix}-1_{step}` folders): the last source of a
-restore, and the dying gasp of a graceful stop.
+"""Sliced disk checkpoints of a sharded job (`{prefix}-1_{step}` folders), which resume on another layout.
 
-A save is collective (every rank writes its slices, `checkpoint/sharded.py`); a load fills the
-slices of whatever layout the job now has (`checkpoint/reshard.py`), so a checkpoint written on
-(dp=2, tp=2) resumes on (dp=1, tp=2). The manifest's `append_info` carries the step and the job's
-seed.
+    optimizer = trainguard.Optimizer(torch.optim.AdamW(model.parameters()), lr_scheduler=sched,
+                                     checkpoints=trainguard.ShardedCheckpoints("ckpt", "lm", every=100))
+
+`ShardedCheckpoints` is what the script asks for; `ShardedSaver` is the session's side of it, one of its
+disk sources (train/state/checkpointing.py's DiskSources) and a dying-gasp saver:
+
+- every `every` committed steps, and at a graceful stop (SIGTERM), every rank writes the slices it holds
+  (`checkpoint/sharded.py`, collective: the ranks reach the same step together); in the user's own loop a
+  step is saved when the next one begins (or the script ends), after the code that follows
+  `optimizer.step()` (its `scheduler.step()`), which belongs to the step;
+- a restore from disk fills the slices of whatever layout the job now has (`checkpoint/reshard.py`): a
+  checkpoint written on (dp=2, tp=2) resumes on (dp=1, tp=2). The LR scheduler's and the registered objects'
+  states travel in the checkpoint's metadata, the position and the job's seed in its `append_info`.
+
+A save is collective, so it is never a dump after a fault (peers may be dead): the per-rank dying gasp
+(TG_CHECKPOINT_DIR) covers that. `resume=False` refuses to start a fresh job over checkpoints of an earlier
+run in the same directory rather than mixing them with its own.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import nn
+import torch.distributed as dist
 
 from ...checkpoint import list_checkpoints, load_sharded, read_manifest, save_sharded
+from ...checkpoint.blob import unpack
+from ...checkpoint.manifest import Kind
 from ...checkpoint.reshard import init_optimizer_state
-from ...errors import ConfigError
+from ...checkpoint.retention import prune_checkpoints
+from ...errors import CheckpointError, CollectiveFailed, ConfigError
+from . import parallel_strategy, shardstate
+from .train_state import TrainState
+
+log = logging.getLogger("trainguard.checkpoint")
+FAULTS = (CollectiveFailed, *((dist.DistError,) if hasattr(dist, "DistError") else ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,39 +47,141 @@ class ShardedCheckpoints:
     every: int = 0  # save every this many steps (0: only the dying gasp)
     integrated: bool = False  # one file of whole tensors instead of slices
     resume: bool = True  # a fresh job goes on from the newest complete one
+    keep: int = 0  # how many of the newest are kept (0: all)
 
     def __post_init__(self) -> None:
         if not str(self.directory):
             raise ConfigError("ShardedCheckpoints needs a directory")
-        if self.every < 0:
-            raise ConfigError(f"ShardedCheckpoints(every={self.every}): must be >= 0")
+        if not self.prefix or "/" in self.prefix or self.prefix.startswith("."):
+            raise ConfigError(f"ShardedCheckpoints(prefix={self.prefix!r}): must be a plain name")
+        if self.every < 0 or self.keep < 0:
+            raise ConfigError(f"ShardedCheckpoints(every={self.every}, keep={self.keep}): both must be >= 0")
 
     def folder(self, step: int) -> Path:
         return Path(self.directory, f"{self.prefix}-1_{step}")
 
     def complete_steps(self) -> list[int]:
-        return [c.step for c in list_checkpoints(Path(self.directory), self.prefix)]
+        """Steps with a complete sliced (or integrated) checkpoint in the directory."""
+        return [c.step for c in list_checkpoints(Path(self.directory), self.prefix) if c.kind is Kind.LAYOUT]
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, seed: int | None) -> None:
-        """Collective. A folder whose manifest exists is complete and is never written again."""
-        folder = self.folder(step)
-        if not (folder / "manifest.json").exists():
-            save_sharded(folder, train_state(model, optimizer), step=step, epoch=1, integrated=self.integrated,
-                         append_info={"step": step, "seed": seed})
 
-    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
-        """Fill the modules from checkpoint `step`; returns the job seed it recorded (None: older checkpoints)."""
-        folder = self.folder(step)
+class ShardedSaver:
+    """The session's disk source and dying-gasp saver for `config` (see the module docstring)."""
+
+    collective = True  # every rank saves together: never after a fault
+
+    def __init__(self, config: ShardedCheckpoints, state: TrainState, rt, mesh=None):
+        self.config, self.state, self.rt, self.mesh = config, state, rt, mesh  # mesh: the job's whole DeviceMesh
+        self.root, self.prefix = Path(config.directory), config.prefix
+        self.due: int | None = None  # a committed step to save when the next one begins (the user's own loop)
+        if not state.sharded:
+            raise ConfigError("ShardedCheckpoints is for a sharded model (trainguard.fully_shard / parallelize_module); "
+                              "this one is not sharded: its dying gasp goes to TG_CHECKPOINT_DIR")
+        earlier = config.complete_steps()
+        if not config.resume and rt.generation <= 1 and earlier:
+            raise ConfigError(f"{self.root} holds checkpoints of an earlier run (the newest: step {earlier[-1]}), and "
+                              "ShardedCheckpoints(resume=False) starts afresh: resume from them (resume=True, the "
+                              "script's --resume), or give an empty directory")
+
+    @property
+    def saves_dying_gasp(self) -> bool:
+        return True
+
+    # --- a restore ---------------------------------------------------------------------------------
+
+    def complete_steps(self) -> list[int]:
+        return self.config.complete_steps()
+
+    def load(self, step: int) -> tuple[dict, Path]:
+        """Fill the model and optimizer from checkpoint `step`, resharded to this layout; returns this rank's
+        state as a peer would send it ({"shared": ..., "own": ...}) and the folder."""
+        folder = self.config.folder(step)
+        if step not in self.complete_steps():
+            raise CheckpointError(f"no complete checkpoint of step {step} in {self.root} (prefix {self.prefix!r})")
+        self._say_if_resharded(folder)
+        model, optimizer = self.state.model, self.state.optimizer
         init_optimizer_state(optimizer)  # the optimizer's tensors must exist to be loaded into
-        loaded = load_sharded(folder, train_state(model, optimizer))
+        loaded = load_sharded(folder, self._contents(), strict=True)
         model.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optim"])
-        if "rng" in loaded:
-            torch.set_rng_state(loaded["rng"])
-        seed = (read_manifest(folder).get("append_info") or {}).get("seed")
-        return int(seed) if isinstance(seed, int) else None
+        shared = {"part": shardstate.capture(model, optimizer, copy=False)}  # the slices now in the live tensors
+        for key, have in (("scheduler", self.state.scheduler is not None), ("extra", bool(self.state.extra))):
+            if have and key not in loaded:
+                raise CheckpointError(f"{folder} holds no {key} state, which this run has: resume with the script "
+                                      "that wrote it, or start without these checkpoints")
+            if have:
+                shared[key] = loaded[key]
+        own = (read_manifest(folder).get("append_info") or {}).get("own")
+        if not isinstance(own, dict) or not isinstance(own.get("progress"), dict):
+            raise CheckpointError(f"{folder}: its manifest has no training position (append_info.own): it was not "
+                                  "written by a trainguard job's ShardedCheckpoints")
+        return {"shared": shared, "own": own}, folder
 
+    def _say_if_resharded(self, folder: Path) -> None:
+        if self.rt.rank != 0:
+            return
+        saved = parallel_strategy.read(self.root)
+        if saved is not None and saved.get("world_size") != self.rt.world_size:
+            now = parallel_strategy.describe(self.state.model, self.rt.world_size, mesh=self.mesh)
+            print(f"trainguard: the device count changed ({saved.get('world_size')} -> {self.rt.world_size}): "
+                  f"resharding {folder.name} from {parallel_strategy.mesh_words(saved)} to "
+                  f"{parallel_strategy.mesh_words(now)}", flush=True)
 
-def train_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """What a checkpoint holds: DTensors as the slices each rank holds, whole tensors otherwise."""
-    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": torch.get_rng_state()}
+    # --- saving ------------------------------------------------------------------------------------
+
+    def _contents(self) -> dict:
+        """What a checkpoint holds: DTensors as the slices each rank holds, whole tensors otherwise."""
+        state = self.state
+        out = {"model": state.model.state_dict(), "optim": state.optimizer.state_dict()}
+        if state.scheduler is not None:
+            out["scheduler"] = state.scheduler.state_dict()
+        if state.extra:
+            out["extra"] = {k: v.state_dict() for k, v in state.extra.items()}
+        return out
+
+    def save(self, step: int, own: dict) -> Path | None:
+        """Collective: every rank writes its slices of committed step `step` (`own`: the position and seed, as
+        Session.own gives them). None: that step is complete already (a step trained again after a restore is
+        the same step)."""
+        if step in self.complete_steps():
+            return None
+        folder = save_sharded(self.config.folder(step), self._contents(), step=step, epoch=1,
+                              integrated=self.config.integrated,
+                              append_info={"step": step, "seed": own.get("seed"), "own": own})
+        if self.config.keep and self.rt.rank == 0:
+            prune_checkpoints(self.root, self.prefix, self.config.keep)
+        return folder
+
+    def on_step_end(self, session) -> None:
+        if not self.config.every or session.step % self.config.every:
+            return
+        self.due = session.step  # saved when the next step begins: the script's code after optimizer.step() (its
+        # scheduler.step()) still belongs to this one. A sharded model runs only in the user's own loop.
+
+    def on_step_begin(self, session, _step=None) -> None:
+        self.flush(session)
+
+    def flush(self, session) -> None:
+        """Save the step left due at its commit, if the job is still at it (collective)."""
+        due, self.due = self.due, None
+        if due is not None and due == session.step:
+            self.save(session.step, session.own())
+
+    # --- the dying gasp (train/engine/graceful.py) -------------------------------------------------
+
+    def save_dying_gasp(self, snap, rank: int, own: bytes, steps_per_epoch, world_size: int) -> Path | None:
+        """Every rank, at the step the job stopped at: the live objects hold it (a stop is voted at a commit)."""
+        self.due = None
+        try:
+            return self.save(snap.step, unpack(own, "this rank's position"))
+        except FAULTS as exc:  # a peer was killed meanwhile: the save is cut short and nothing looks complete
+            raise CheckpointError(f"the sliced dying-gasp checkpoint of step {snap.step} failed: {exc}") from exc
+
+    def commit_dying_gasp(self, deadline: float) -> tuple[list[Path], list[str]]:
+        return [], []  # a sliced save commits itself
+
+    def settle(self, patience: float | None = None) -> None:
+        return None  # saves are synchronous
+
+    def on_train_end(self, session) -> None:
+        self.flush(session)
