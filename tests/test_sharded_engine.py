@@ -9,6 +9,13 @@ its buffers, optimizer state and hyperparameters, scheduler) is torch.equal to t
 and so is rank 0's loss at every step. With 3 and 4 ranks the sums of FSDP's reduce-scatter and of
 the eval all-reduce depend on their order, so a rank that came back with other state or other data
 would show.
+
+The matrix, several faults a run: fsdp (3 ranks) has each rank position killed or SIGSTOPped; hsdp (2x2) a
+kill, a kill of the rank that sends the replacement its shard (a kill during the recovery) and the
+scheduler's SIGKILL; dptp (2x2) a tensor-parallel rank and rank 0 killed; the FSDP2 tutorial (2 ranks) each
+rank position; fsdp SIGTERM and a rerun from the dying gasp; a shard lost with its only copy. DP x TP
+resharded from 4 to 2 ranks after a SIGTERM is tests/test_transformer_tp.py, and the sliced checkpoint as
+the source of a live recovery tests/test_sharded_recovery.py.
 """
 
 from __future__ import annotations
@@ -77,6 +84,10 @@ def events(tmp: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (tmp / name / "recovery" / "events.jsonl").read_text().splitlines()]
 
 
+def fired(tmp: Path, name: str) -> list[dict]:
+    return [e for e in events(tmp, name) if e.get("event") == "fault_injected"]
+
+
 def restored(tmp: Path, name: str) -> list[dict]:
     return [e for e in events(tmp, name) if e.get("event") == "restored" and e.get("source") != "init"]
 
@@ -91,26 +102,34 @@ def refs(tmp_path_factory) -> Path:
     return tmp
 
 
-def test_fsdp_survives_kill_9_mid_epoch_and_at_the_epochs_end_bit_identically(refs, tmp_path):
-    # 9 steps an epoch: rank 1 dies after step 5, then rank 0 after step 9, the last of epoch 0 (before its eval)
-    log = run(tmp_path, "faulty", "fsdp", "--bn", faults="1:5:kill,0:9:kill")
-    assert log.count("was killed by signal SIGKILL") == 2, log[-4000:]
+def test_fsdp_survives_each_rank_position_killed_or_stopped_bit_identically(refs, tmp_path):
+    """3 ranks, 9 steps an epoch: rank 1 dies after step 5, rank 0 after step 9, the last of epoch 0 (before its
+    eval), and rank 2 is SIGSTOPped after step 14 (the scheduler finds it silent and kills it)."""
+    log = run(tmp_path, "faulty", "fsdp", "--bn", faults="1:5:kill,0:9:kill,2:14:stop")
+    assert log.count("was killed by signal SIGKILL") == 3, log[-4000:]
+    assert len(fired(tmp_path, "faulty")) == 3
     got = {(e["rank"], e["source"]) for e in restored(tmp_path, "faulty")}
-    assert (1, "peer") in got and (0, "peer") in got, got  # each replacement took its shard from its buddy's copy
+    assert {(0, "peer"), (1, "peer"), (2, "peer")} <= got, got  # each replacement took its shard from its buddy's copy
     (tmp_path / "fsdp").symlink_to(refs / "fsdp")
     assert_same_run(tmp_path, "faulty", "fsdp", "fsdp")
 
 
-def test_hsdp_replacement_takes_its_shard_from_a_live_replica(refs, tmp_path):
-    run(tmp_path, "faulty", "hsdp-2x2", faults="2:4:kill")
-    mine = [e for e in restored(tmp_path, "faulty") if e["rank"] == 2]
-    assert mine and mine[-1]["source"] == "peer" and mine[-1]["peer"] == 0 and mine[-1]["copy"] == "live", mine
+def test_hsdp_survives_a_kill_during_the_recovery_and_the_schedulers_kill(refs, tmp_path):
+    """2x2: rank 2 dies after step 4; its live replica, rank 0, is killed as it sends it its shard (its first
+    `send`), so both holders of that shard are gone and it comes back from the in-memory copy on another shard's
+    rank; later the scheduler is killed (SIGKILL) after step 10 and the job goes on under its restart."""
+    log = run(tmp_path, "faulty", "hsdp-2x2", faults="2:4:kill,1:10:sched", at_collective="0:send:1")
+    assert [e["how"] for e in fired(tmp_path, "faulty")] == ["kill", "kill@send", "sched"], log[-4000:]
+    assert any(e["event"] == "scheduler_started" and e["resumed"] for e in events(tmp_path, "faulty"))
+    mine = [e for e in restored(tmp_path, "faulty") if e["rank"] in (0, 2)]  # the two holders of that shard
+    assert {(e["rank"], e["source"], e["copy"]) for e in mine} == {(0, "peer", "memory"), (2, "peer", "memory")}, mine
     (tmp_path / "hsdp-2x2").symlink_to(refs / "hsdp-2x2")
     assert_same_run(tmp_path, "faulty", "hsdp-2x2", "hsdp-2x2")
 
 
-def test_dp_x_tp_survives_kill_9_of_a_tensor_parallel_rank(refs, tmp_path):
-    log = run(tmp_path, "faulty", "dptp-2x2", "--bn", faults="3:7:kill")
+def test_dp_x_tp_survives_kill_9_of_a_tensor_parallel_rank_and_of_rank_0(refs, tmp_path):
+    log = run(tmp_path, "faulty", "dptp-2x2", "--bn", faults="3:7:kill,0:11:kill")
+    assert log.count("was killed by signal SIGKILL") == 2, log[-4000:]
     assert "functional" in log or "CollectiveFailed" in log, log[-4000:]  # DTensor's collectives fail typed
     (tmp_path / "dptp-2x2").symlink_to(refs / "dptp-2x2")
     assert_same_run(tmp_path, "faulty", "dptp-2x2", "dptp-2x2")
@@ -150,12 +169,12 @@ def test_the_ported_fsdp2_tutorial_survives_kill_9_bit_identically(tmp_path):
               or "# trainguard:" in line]
     assert 0 < len(marked) <= 10, marked
     small = ("--layers", "2", "--batch-size", "4", "--steps", "12", "--dropout", "0.1")
-    for name, faults in (("uninterrupted", ""), ("faulty", "2:6:kill")):
-        cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "0", "--recovery-path",
+    for name, faults in (("uninterrupted", ""), ("faulty", "1:4:kill,0:8:kill")):  # 2 ranks: each position
+        cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "0", "--recovery-path",
                str(tmp_path / name / "recovery"), str(TUTORIAL), *small, "--out", str(tmp_path / name)]
         proc = subprocess.run(cmd, cwd=REPO, env=env(TG_FAULT=faults), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    assert "was killed by signal SIGKILL" in proc.stderr
-    a, b = parts(tmp_path / "faulty", 3), parts(tmp_path / "uninterrupted", 3)
+    assert proc.stderr.count("was killed by signal SIGKILL") == 2, proc.stderr[-4000:]
+    a, b = parts(tmp_path / "faulty", 2), parts(tmp_path / "uninterrupted", 2)
     assert a.keys() == b.keys() and any("optim" in k for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a if not k.endswith("/meta"))

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from ...checkpoint.blob import unpack
 from ...control.outcomes import RestoreDecision, SourceKind
 from ...control.reports import RestoreReport, ShardedRestoreReport
-from ...errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError
+from ...errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError, Rewind
 from ...worker.transfer import broadcast_int, recv_bytes, send_bytes
 from ..data import phase as elastic
 from ..state.train_state import TrainState, job_seed, reseed
@@ -48,6 +48,7 @@ class Recovering(Protocol):
     restores: int
     source: str
     user_loop: bool
+    rewinds: bool  # a failure goes back to the committed step by running the script again (train/engine/rewind.py)
     rng_touched: bool
     iterator: Any
     first_step_since: float | None
@@ -122,9 +123,10 @@ class Recovery:
                 break
             except ClusterFailed as exc:  # the job is over (failed, or the launcher gave up): leave cleanly
                 stop_on_fault(session, str(exc))
-            except FencedError as exc:
-                log.warning("rank %d: %s; regrouping", rt.rank, exc)
-            except CollectiveFailed as exc:
+            except (FencedError, CollectiveFailed) as exc:
+                if session.rewinds:  # every rank, the replacement too, goes through the script's setup again (its
+                    # mesh's groups, its own collectives): a rank that regrouped here would call other collectives
+                    raise Rewind(f"failure during recovery: {type(exc).__name__}: {str(exc)[:200]}") from exc
                 log.warning("rank %d: failure during recovery (%s); regrouping", rt.rank, str(exc)[:200])
         took = time.monotonic() - t0
         if session.recoveries or rt.generation > 1:  # a replacement reports its first step too (trainguard report)
