@@ -8,17 +8,14 @@ that marks it seen).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from . import membership as m
 from . import protocol as p
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from .core import SchedulerCore
 
 
 class AgentRequests:
-    def __init__(self, core: "Scheduler"):
+    def __init__(self, core: SchedulerCore):
         self.core = core
 
     def on_agent_sync(self, req: p.AgentSync):

@@ -11,23 +11,19 @@ from __future__ import annotations
 import logging
 import time
 
-from typing import TYPE_CHECKING
-
 from . import formation as fm
 from . import membership as m
 from . import protocol as p
+from .core import SchedulerCore
 from .decisions import decide_agreement
 from .outcomes import Decided, FinishDecision, RestoreDecision
 from .reports import Report
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 log = logging.getLogger("trainguard.scheduler")
 
 
 class Rendezvous:
-    def __init__(self, core: "Scheduler"):
+    def __init__(self, core: SchedulerCore):
         self.core = core
         self._agreements: dict[tuple[int, str], dict[int, Report]] = {}
         self._decisions: dict[tuple[int, str], Decided] = {}
