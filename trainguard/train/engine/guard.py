@@ -92,8 +92,11 @@ class Guard:
         callbacks = []
         if opt.checkpoints is not None:
             callbacks.append(ShardedSaver(opt.checkpoints, state, rt, sharding.job_mesh()))
-        root = os.environ.get(CHECKPOINT_DIR_ENV) or (  # the per-rank dying gasp, which a dump after a fault writes too
-            str(Path(rt.cfg.recovery_path) / "checkpoints") if rt.cfg.recovery_path is not None else "")
+        # the per-rank dying gasp: where the script gives sliced checkpoints, only if asked for, or for a dump after a
+        # fault (a sliced save is collective and needs the dead ranks)
+        default = opt.checkpoints is None or rt.cfg.recover_strategy.dump
+        root = os.environ.get(CHECKPOINT_DIR_ENV) or (
+            str(Path(rt.cfg.recovery_path) / "checkpoints") if rt.cfg.recovery_path is not None and default else "")
         if root:
             callbacks.append(ExceptionCheckpoint("job", root, CheckpointConfig(exception_save=True)))
         session = Session(state, SessionConfig(), runtime=rt, callbacks=callbacks)
