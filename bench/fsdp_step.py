@@ -12,9 +12,11 @@ the stop vote at every commit. Nothing else differs. Each rank times
 every step from the start of one to the start of the next, so the job's own work between steps
 counts. Rank 0 prints `mean step time: X ms, median Y ms (N steps after W warm-up)`: the mean is the
 figure to compare, since the in-memory copies come every few dozen steps and a median would skip them.
+Every rank prints `peak rss: rank R X MB` at the end (its ru_maxrss: the in-memory copies it holds count).
 """
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -88,5 +90,6 @@ steps = [b - a for a, b in zip(starts, starts[1:])][args.warmup:]
 if rank == 0:
     print(f"mean step time: {1000 * statistics.mean(steps):.2f} ms, median {1000 * statistics.median(steps):.2f} ms "
           f"({len(steps)} steps after {args.warmup} warm-up{note})", flush=True)
+print(f"peak rss: rank {rank} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MB", flush=True)
 if not args.trainguard:
     dist.destroy_process_group()
