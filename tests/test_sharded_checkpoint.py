@@ -9,6 +9,7 @@ tests here then check the files it left in this process.
 import hashlib
 import json
 import logging
+import re
 import shutil
 import struct
 
@@ -363,3 +364,21 @@ def test_version_1_checkpoints_still_load(tmp_path):
     assert read_manifest(tmp_path / "v1")["format_version"] == 1
     same_tensors(tg.load_sharded(tmp_path / "v1")["model"], net.state_dict())
     assert tg.load_param_into_net(mlp(), tg.load_checkpoint(tmp_path / "v1")) == ([], [])
+
+
+def test_a_checkpoints_training_position_is_checked_as_untrusted_input():
+    """The position a sliced checkpoint of a job records (its manifest's append_info.own) is read before any
+    tensor is loaded: a damaged or foreign one is refused with what is wrong, never half-used."""
+    from trainguard.train.state.shardckpt import position
+
+    good = {"progress": {"step": 8, "epoch": 0, "in_epoch": 8}, "seed": 7, "loader": 0}
+    assert position({"append_info": {"own": good}}, 8) == good
+    bad = [({}, "no training position"), ({"progress": {**good["progress"], "step": "8"}}, "progress.step = '8'"),
+           ({"progress": {**good["progress"], "epoch": -1}}, "progress.epoch = -1"),
+           ({"progress": {**good["progress"], "in_epoch": True}}, "progress.in_epoch = True"),
+           ({"progress": good["progress"], "seed": 1 << 63}, "seed = 9223372036854775808"),
+           ({"progress": {**good["progress"], "step": 9}}, "does not belong to its folder"),
+           ({"progress": {**good["progress"], "phase": 1}}, "unknown position fields")]
+    for own, match in bad:
+        with pytest.raises(tg.CheckpointError, match=re.escape(match)):
+            position({"append_info": {"own": own}}, 8)

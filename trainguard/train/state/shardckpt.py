@@ -32,6 +32,7 @@ from ...checkpoint.blob import unpack
 from ...checkpoint.manifest import Kind
 from ...checkpoint.reshard import init_optimizer_state
 from ...checkpoint.retention import prune_checkpoints
+from ...control.msgbase import INT64_MAX
 from ...errors import CheckpointError, CollectiveFailed, ConfigError
 from . import parallel_strategy, shardstate
 from .train_state import TrainState
@@ -90,14 +91,25 @@ class ShardedSaver:
     # --- a restore ---------------------------------------------------------------------------------
 
     def complete_steps(self) -> list[int]:
-        return self.config.complete_steps()
+        """Complete checkpoints a trainguard job wrote (a sliced save of the same prefix by other code has no
+        training position, and is not a source)."""
+        steps = []
+        for step in self.config.complete_steps():
+            try:
+                position(read_manifest(self.config.folder(step)), step)
+            except CheckpointError as exc:
+                log.warning("%s is not a source for a restore: %s", self.config.folder(step), exc)
+                continue
+            steps.append(step)
+        return steps
 
     def load(self, step: int) -> tuple[dict, Path]:
         """Fill the model and optimizer from checkpoint `step`, resharded to this layout; returns this rank's
         state as a peer would send it ({"shared": ..., "own": ...}) and the folder."""
         folder = self.config.folder(step)
-        if step not in self.complete_steps():
+        if step not in self.config.complete_steps():
             raise CheckpointError(f"no complete checkpoint of step {step} in {self.root} (prefix {self.prefix!r})")
+        position(read_manifest(folder), step)  # before anything is loaded
         self._say_if_resharded(folder)
         model, optimizer = self.state.model, self.state.optimizer
         init_optimizer_state(optimizer)  # the optimizer's tensors must exist to be loaded into
@@ -111,11 +123,7 @@ class ShardedSaver:
                                       "that wrote it, or start without these checkpoints")
             if have:
                 shared[key] = loaded[key]
-        own = (read_manifest(folder).get("append_info") or {}).get("own")
-        if not isinstance(own, dict) or not isinstance(own.get("progress"), dict):
-            raise CheckpointError(f"{folder}: its manifest has no training position (append_info.own): it was not "
-                                  "written by a trainguard job's ShardedCheckpoints")
-        return {"shared": shared, "own": own}, folder
+        return {"shared": shared, "own": position(read_manifest(folder), step)}, folder
 
     def _say_if_resharded(self, folder: Path) -> None:
         if self.rt.rank != 0:
@@ -185,3 +193,29 @@ class ShardedSaver:
 
     def on_train_end(self, session) -> None:
         self.flush(session)
+
+
+def position(manifest: dict, step: int) -> dict:
+    """The training position a checkpoint's manifest records (append_info.own: progress, seed, loader), checked
+    as untrusted input: every number an int in range, the step the folder's. CheckpointError names what is wrong."""
+    own = (manifest.get("append_info") or {}).get("own") if isinstance(manifest, dict) else None
+    where = f"checkpoint of step {step}"
+    if not isinstance(own, dict) or not isinstance(own.get("progress"), dict):
+        raise CheckpointError(f"the {where} records no training position (append_info.own): it was not written by a "
+                              "trainguard job's ShardedCheckpoints")
+    progress = own["progress"]
+    numbers = {f"progress.{k}": progress.get(k) for k in ("step", "epoch", "in_epoch")}
+    numbers.update({k: own.get(k) for k in ("seed", "loader") if own.get(k) is not None})
+    for name, value in numbers.items():
+        if type(value) is not int or not 0 <= value <= INT64_MAX:
+            raise CheckpointError(f"the {where} records {name} = {value!r}, not an integer in [0, 2^63): the manifest "
+                                  "is damaged or was not written by trainguard")
+    if progress["step"] != step:
+        raise CheckpointError(f"the {where} records step {progress['step']}: the manifest does not belong to its folder")
+    extra = set(progress) - {"step", "epoch", "in_epoch"}
+    if extra:
+        raise CheckpointError(f"the {where} records unknown position fields {sorted(extra)[:5]}")
+    out = {"progress": dict(progress), "seed": own.get("seed")}
+    if own.get("loader") is not None:
+        out["loader"] = own["loader"]
+    return out
