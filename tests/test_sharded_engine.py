@@ -34,7 +34,7 @@ from trainguard.checkpoint.codec import flatten_state
 
 pytestmark = pytest.mark.timeout(400)
 JOB = REPO / "tests" / "jobs" / "sharded_trainer.py"
-WORLD = {"fsdp": 3, "hsdp-2x2": 4, "dptp-2x2": 4}
+WORLD = {"fsdp": 3, "hsdp-2x2": 4, "dptp-2x2": 4, "dp": 3}
 
 
 def run(tmp: Path, name: str, layout: str, *args: str, faults: str = "", expect: int = 0,
@@ -158,6 +158,19 @@ def test_a_shard_lost_with_its_only_copy_ends_the_job_saying_so_and_never_starts
     assert "resumed at step 0" not in log and "generation 4" not in log, log[-4000:]
     assert all(e["source"] != "init" for e in events(tmp_path, "faulty") if e.get("event") == "restored"
                and e["generation"] > 1)
+
+
+def test_data_parallel_with_sliced_checkpoints_comes_back_from_disk_when_every_rank_dies(tmp_path):
+    """The same checkpoints serve data parallelism (3 ranks, a BatchNorm): every rank is killed after step 6, so no
+    live state is left, and the job goes back to the sliced checkpoint of step 4 and trains steps 5 and 6 again."""
+    run(tmp_path, "ref", "dp", "--bn")
+    log = run(tmp_path, "faulty", "dp", "--bn", "--sliced", str(tmp_path / "sliced"),
+              faults="0:6:kill,1:6:kill,2:6:kill")
+    assert len(fired(tmp_path, "faulty")) == 3, log[-4000:]
+    assert {(e["rank"], e["step"], e["source"]) for e in restored(tmp_path, "faulty")} == \
+        {(r, 4, "disk") for r in range(3)}, log[-4000:]
+    assert "from the checkpoint on disk (" in log and "sliced-1_4)" in log, log[-4000:]
+    assert_same_run(tmp_path, "faulty", "ref", "dp")
 
 
 TUTORIAL = REPO / "examples" / "fsdp2_tutorial.py"

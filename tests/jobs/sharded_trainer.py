@@ -5,7 +5,8 @@ LAYOUT: `fsdp` (fully_shard over every rank), `hsdp-RxS` (fully_shard on a (repl
 `dptp-AxB` (tensor parallel on the "tp" dimension, fully_shard on the "dp" one). The model has dropout,
 and with --bn a BatchNorm on its input (plain per-rank buffers); the optimizer is SGD with momentum
 and an LR scheduler; the training loader and an eval loader (with a metric all-reduce) come from
-scikit-learn's digits; the loop runs over epochs from `trainguard.start_epoch()`.
+scikit-learn's digits; the loop runs over epochs from `trainguard.start_epoch()`. `--sliced DIR`: sliced
+checkpoints every 4 steps (`trainguard.ShardedCheckpoints`).
 
 At the end every rank writes OUT/rank<r>.safetensors: its local part of every tensor of the model
 (buffers included), the optimizer's state and hyperparameters, and the scheduler's state. Rank 0
@@ -28,6 +29,7 @@ import trainguard as tg
 layout, out = sys.argv[1], sys.argv[2]
 bn = "--bn" in sys.argv
 epochs = int(sys.argv[sys.argv.index("--epochs") + 1]) if "--epochs" in sys.argv else 2
+sliced = sys.argv[sys.argv.index("--sliced") + 1] if "--sliced" in sys.argv else ""
 
 
 def model_for(layout: str) -> tuple[nn.Module, int, int]:
@@ -68,7 +70,8 @@ def main() -> None:
     eval_loader = tg.DataLoader(held, batch_size=100)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
-    optimizer = tg.Optimizer(opt, lr_scheduler=sched)
+    ckpt = tg.ShardedCheckpoints(sliced, "sliced", every=4) if sliced else None
+    optimizer = tg.Optimizer(opt, lr_scheduler=sched, checkpoints=ckpt)
     rank = dist.get_rank()
     for epoch in range(tg.start_epoch(), epochs):
         loader.sampler.set_epoch(epoch)

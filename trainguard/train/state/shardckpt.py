@@ -1,4 +1,5 @@
-"""Sliced disk checkpoints of a sharded job (`{prefix}-1_{step}` folders), which resume on another layout.
+"""Sliced disk checkpoints of a job in the user's own loop (`{prefix}-1_{step}` folders), which resume on another
+layout: FSDP2, HSDP, DP x TP, and plain data parallelism (whole tensors, every rank's file a replica).
 
     optimizer = trainguard.Optimizer(torch.optim.AdamW(model.parameters()), lr_scheduler=sched,
                                      checkpoints=trainguard.ShardedCheckpoints("ckpt", "lm", every=100))
@@ -38,6 +39,7 @@ from . import parallel_strategy, shardstate
 from .train_state import TrainState
 
 log = logging.getLogger("trainguard.checkpoint")
+PHASE_KEYS = frozenset({"base", "phase_start", "shards"})  # data/phase.py's Phase.as_dict
 FAULTS = (CollectiveFailed, *((dist.DistError,) if hasattr(dist, "DistError") else ()))
 
 
@@ -75,9 +77,6 @@ class ShardedSaver:
         self.config, self.state, self.rt, self.mesh = config, state, rt, mesh  # mesh: the job's whole DeviceMesh
         self.root, self.prefix = Path(config.directory), config.prefix
         self.due: int | None = None  # a committed step to save when the next one begins (the user's own loop)
-        if not state.sharded:
-            raise ConfigError("ShardedCheckpoints is for a sharded model (trainguard.fully_shard / parallelize_module); "
-                              "this one is not sharded: its dying gasp goes to TG_CHECKPOINT_DIR")
         earlier = config.complete_steps()
         if not config.resume and rt.generation <= 1 and earlier:
             raise ConfigError(f"{self.root} holds checkpoints of an earlier run (the newest: step {earlier[-1]}), and "
@@ -112,11 +111,15 @@ class ShardedSaver:
         position(read_manifest(folder), step)  # before anything is loaded
         self._say_if_resharded(folder)
         model, optimizer = self.state.model, self.state.optimizer
-        init_optimizer_state(optimizer)  # the optimizer's tensors must exist to be loaded into
-        loaded = load_sharded(folder, self._contents(), strict=True)
-        model.load_state_dict(loaded["model"])
-        optimizer.load_state_dict(loaded["optim"])
-        shared = {"part": shardstate.capture(model, optimizer, copy=False)}  # the slices now in the live tensors
+        if self.state.sharded:  # the slices this rank holds now, read into its DTensors
+            init_optimizer_state(optimizer)  # the optimizer's tensors must exist to be loaded into
+            loaded = load_sharded(folder, self._contents(), strict=True)
+            model.load_state_dict(loaded["model"])
+            optimizer.load_state_dict(loaded["optim"])
+            shared = {"part": shardstate.capture(model, optimizer, copy=False)}
+        else:  # data parallel: whole tensors, which the session loads as a peer's state
+            loaded = load_sharded(folder)
+            shared = {"model": loaded["model"], "optimizer": loaded["optim"]}
         for key, have in (("scheduler", self.state.scheduler is not None), ("extra", bool(self.state.extra))):
             if have and key not in loaded:
                 raise CheckpointError(f"{folder} holds no {key} state, which this run has: resume with the script "
@@ -206,13 +209,15 @@ def position(manifest: dict, step: int) -> dict:
     progress = own["progress"]
     numbers = {f"progress.{k}": progress.get(k) for k in ("step", "epoch", "in_epoch")}
     numbers.update({k: own.get(k) for k in ("seed", "loader") if own.get(k) is not None})
+    for key in PHASE_KEYS & set(progress):  # an elastic data-parallel job's phase within its epoch
+        numbers[f"progress.{key}"] = progress[key]
     for name, value in numbers.items():
         if type(value) is not int or not 0 <= value <= INT64_MAX:
             raise CheckpointError(f"the {where} records {name} = {value!r}, not an integer in [0, 2^63): the manifest "
                                   "is damaged or was not written by trainguard")
     if progress["step"] != step:
         raise CheckpointError(f"the {where} records step {progress['step']}: the manifest does not belong to its folder")
-    extra = set(progress) - {"step", "epoch", "in_epoch"}
+    extra = set(progress) - {"step", "epoch", "in_epoch", *PHASE_KEYS}
     if extra:
         raise CheckpointError(f"the {where} records unknown position fields {sorted(extra)[:5]}")
     out = {"progress": dict(progress), "seed": own.get("seed")}
