@@ -64,8 +64,9 @@ class ShardedCheckpoints:
         return Path(self.directory, f"{self.prefix}-1_{step}")
 
     def complete_steps(self) -> list[int]:
-        """Steps with a complete sliced (or integrated) checkpoint in the directory."""
-        return [c.step for c in list_checkpoints(Path(self.directory), self.prefix) if c.kind is Kind.LAYOUT]
+        """Steps with a complete sliced (or integrated) checkpoint in the directory, in a folder named for its step."""
+        return [c.step for c in list_checkpoints(Path(self.directory), self.prefix)
+                if c.kind is Kind.LAYOUT and c.path == self.folder(c.step)]
 
 
 class ShardedSaver:
