@@ -195,9 +195,6 @@ class ShardedSaver:
     def settle(self, patience: float | None = None) -> None:
         return None  # saves are synchronous
 
-    def on_train_end(self, session) -> None:
-        self.flush(session)
-
 
 def position(manifest: dict, step: int) -> dict:
     """The training position a checkpoint's manifest records (append_info.own: progress, seed, loader), checked
