@@ -109,7 +109,7 @@ class ShardedSaver:
         folder = self.config.folder(step)
         if step not in self.config.complete_steps():
             raise CheckpointError(f"no complete checkpoint of step {step} in {self.root} (prefix {self.prefix!r})")
-        position(read_manifest(folder), step)  # before anything is loaded
+        own = position(read_manifest(folder), step)  # before anything is loaded
         self._say_if_resharded(folder)
         model, optimizer = self.state.model, self.state.optimizer
         if self.state.sharded:  # the slices this rank holds now, read into its DTensors
@@ -127,7 +127,7 @@ class ShardedSaver:
                                       "that wrote it, or start without these checkpoints")
             if have:
                 shared[key] = loaded[key]
-        return {"shared": shared, "own": position(read_manifest(folder), step)}, folder
+        return {"shared": shared, "own": own}, folder
 
     def _say_if_resharded(self, folder: Path) -> None:
         if self.rt.rank != 0:
