@@ -165,6 +165,8 @@ def test_sigterm_at_4_workers_then_resume_at_2_continues_the_curve(base, tmp_pat
     log = (ckpt / "launcher.log").read_text()
     assert (f"the device count changed (4 -> 2): resharding transformer-1_{step} from dp=2 x tp=2 to dp=1 x tp=2"
             in log), log[-3000:]
+    # stopped mid-epoch: the rest of the epoch's split changes with the world size, and the user is told
+    assert "batches into epoch 0, split for 4 ranks" in log and "resume on 4 ranks" in log, log[-3000:]
     assert_resumed(ckpt, step, 1, 2)
     assert resumed == {s: losses[s] for s in range(step + 1, STEPS + 1)}
     assert_same_state(ckpt / f"transformer-1_{STEPS}", folder / f"transformer-1_{STEPS}")

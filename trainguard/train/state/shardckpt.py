@@ -110,7 +110,7 @@ class ShardedSaver:
         if step not in self.config.complete_steps():
             raise CheckpointError(f"no complete checkpoint of step {step} in {self.root} (prefix {self.prefix!r})")
         own = position(read_manifest(folder), step)  # before anything is loaded
-        self._say_if_resharded(folder)
+        self._say_if_resharded(folder, own["progress"])
         model, optimizer = self.state.model, self.state.optimizer
         if self.state.sharded:  # the slices this rank holds now, read into its DTensors
             init_optimizer_state(optimizer)  # the optimizer's tensors must exist to be loaded into
@@ -129,15 +129,22 @@ class ShardedSaver:
                 shared[key] = loaded[key]
         return {"shared": shared, "own": own}, folder
 
-    def _say_if_resharded(self, folder: Path) -> None:
+    def _say_if_resharded(self, folder: Path, progress: dict) -> None:
         if self.rt.rank != 0:
             return
         saved = parallel_strategy.read(self.root)
-        if saved is not None and saved.get("world_size") != self.rt.world_size:
-            now = parallel_strategy.describe(self.state.model, self.rt.world_size, mesh=self.mesh)
-            print(f"trainguard: the device count changed ({saved.get('world_size')} -> {self.rt.world_size}): "
-                  f"resharding {folder.name} from {parallel_strategy.mesh_words(saved)} to "
-                  f"{parallel_strategy.mesh_words(now)}", flush=True)
+        if saved is None or saved.get("world_size") == self.rt.world_size:
+            return
+        before = saved.get("world_size")
+        now = parallel_strategy.describe(self.state.model, self.rt.world_size, mesh=self.mesh)
+        print(f"trainguard: the device count changed ({before} -> {self.rt.world_size}): resharding {folder.name} "
+              f"from {parallel_strategy.mesh_words(saved)} to {parallel_strategy.mesh_words(now)}", flush=True)
+        if progress.get("in_epoch", 0) > 0 and not PHASE_KEYS & set(progress):
+            print(f"trainguard: warning: {folder.name} is {progress['in_epoch']} batches into epoch "
+                  f"{progress['epoch']}, split for {before} ranks. Loaders that split their data over the ranks now "
+                  f"split the rest of that epoch for {self.rt.world_size}, so some of its samples may be skipped or "
+                  f"seen twice. For an exact continuation resume on {before} ranks, or from a checkpoint at the "
+                  "start of an epoch", flush=True)
 
     # --- saving ------------------------------------------------------------------------------------
 
