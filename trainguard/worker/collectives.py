@@ -52,8 +52,9 @@ class Failures:
         self.first: CollectiveFailed | None = None
 
     def record(self, generation: int, exc: CollectiveFailed) -> None:
+        """Keeps the error's words only: its traceback's frames would keep the whole run of the script alive."""
         if self.generation != generation:
-            self.generation, self.first = generation, exc
+            self.generation, self.first = generation, CollectiveFailed(str(exc))
 
     def failed(self, generation: int) -> CollectiveFailed | None:
         return self.first if self.generation == generation else None

@@ -71,6 +71,13 @@ class DataParallel(nn.Module):
         object.__setattr__(self, "group", None)
         self.sync.detach()
 
+    def close(self) -> None:
+        """This run of the script is over (a rewind): no more exchanges. The gradient hooks go, because torch
+        holds them in C++, where the collector cannot see that they and the module keep each other alive:
+        left, they would keep this run's model, optimizer and everything its frames held after it."""
+        self.drop()
+        self.sync.close()
+
     def no_sync(self):
         """As DDP's: gradients accumulate locally until the next backward outside the block."""
         return self.sync.no_sync()
