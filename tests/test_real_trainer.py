@@ -112,11 +112,16 @@ def test_an_error_every_rank_raises_at_the_same_step_ends_the_job_at_once(tmp_pa
 
 
 def test_the_language_model_survives_a_kill_in_a_step_and_in_the_eval_of_its_moving_average(tmp_path):
-    """examples/lm.py: a registered mask buffer, a LambdaLR schedule, an EMA registered with register_state, two
-    eval passes an epoch. Kill -9 of rank 1 in a step, then of rank 0 at the EMA's eval all_reduce."""
+    """examples/lm.py: a registered mask buffer, a LambdaLR schedule, an EMA, two eval passes an epoch. Kill -9
+    of rank 1 in a step, then of rank 0 at the EMA's eval all_reduce. The faulty run's script leaves out the port's
+    `register_state("ema", ema)`: trainguard finds the AveragedModel itself (train/state/discover.py)."""
     want_states, want_evals, fault_free, _ = run(tmp_path / "uninterrupted", 3, script=LM)
+    registered = 'tg.register_state("ema", ema)\n'
+    assert registered in LM.read_text()
+    unregistered = tmp_path / "lm_unregistered.py"
+    unregistered.write_text(LM.read_text().replace(registered, ""))
     states, evals, took, proc = run(tmp_path / "faulty", 3, fault="1:10:kill", at_collective="0:all_reduce:2",
-                                    spares=2, script=LM)
+                                    spares=2, script=unregistered)
     assert "recovery 2:" in proc.stdout and {"model", "ema", "optimizer", "scheduler"} <= set(states[0])
     for r in range(3):
         assert_identical(states[r], want_states[r], f"rank {r}")

@@ -120,3 +120,39 @@ def test_a_state_of_another_layout_is_refused_with_the_reason_before_anything_is
     with pytest.raises(tg.ConfigError, match="saved by a sharded run and this run's model is not sharded"):
         plain.load_shared({"part": {}})
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_state_the_script_did_not_give_is_found_and_named_by_its_class():
+    """A second scheduler, a GradScaler and an EMA the port did not register change with the steps: trainguard
+    finds them (train/state/discover.py), so that a recovery restores them too. In a fresh interpreter: the
+    search sees every live object of the process."""
+    code = textwrap.dedent("""
+        import pytest, torch
+        from torch import nn
+        import trainguard as tg
+        from trainguard.train.state import discover
+
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        given = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        warm, decay = torch.optim.lr_scheduler.LinearLR(opt), torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
+        chain = torch.optim.lr_scheduler.SequentialLR(opt, [warm, decay], milestones=[3])
+        torch.optim.lr_scheduler.StepLR(other, 2)  # another optimizer's: not this job's state
+        ema = torch.optim.swa_utils.AveragedModel(model)
+        off = torch.amp.GradScaler("cpu", enabled=False)  # keeps no state
+        scaler = torch.amp.GradScaler("cpu")
+        found = discover.unregistered(opt, [model, given])
+        assert found == {"lr_scheduler:ReduceLROnPlateau": plateau, "lr_scheduler:SequentialLR": chain,
+                         "averaged_model:AveragedModel": ema, "grad_scaler:GradScaler": scaler}, found
+        assert discover.unregistered(opt, [model, given, plateau, chain, ema, scaler]) == {}
+        second = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        with pytest.raises(tg.ConfigError, match="more than one lr_scheduler:ReduceLROnPlateau.*register_state"):
+            discover.unregistered(opt, [model, given])
+        assert discover.unregistered(opt, [model, given, plateau, second, chain, ema, scaler]) == {}
+        print("checked")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "checked", proc.stdout + proc.stderr

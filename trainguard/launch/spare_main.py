@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gc
 import importlib
 import importlib.util
 import json
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     script_dir = os.path.dirname(os.path.realpath(script))
     start = time.monotonic()
     loaded, failures = preload(script, script_dir)
+    gc.freeze()  # as the zygote does: the worker's collections, and its search for state (discover.py), skip it
     warm_s = time.monotonic() - start
     if args.ready_fd is not None:
         try:

@@ -16,7 +16,8 @@
   the step. A forward's buffer changes (BatchNorm) are part of the step.
 - State: model, optimizer, the LR scheduler given here, and any object with `state_dict()` /
   `load_state_dict()` registered with `register_state` (a GradScaler, a second scheduler). They are
-  held, never patched: their `state_dict()` still pickles.
+  held, never patched: their `state_dict()` still pickles. Schedulers on the optimizer, GradScalers
+  and AveragedModels the script did not give are found and restored too (train/state/discover.py).
 - A fault anywhere (in a step, in an eval pass, in a barrier, in the script's own save) sends every
   rank back to the committed step: under `trainguard run` the script runs again from the top in the
   same process, its objects refilled with the committed state (train/engine/rewind.py), so every rank,
@@ -45,6 +46,7 @@ from ...errors import CollectiveFailed, ConfigError, Rewind
 from ...worker import runtime as rt_mod
 from ..parallel import sharding
 from ..parallel.ddp import DataParallel
+from ..state import discover
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
 from ..state.shardckpt import ShardedCheckpoints, ShardedSaver
 from ..state.train_state import TrainState
@@ -86,6 +88,7 @@ class Guard:
             raise ConfigError("the optimizer's parameters are sharded (DTensors), but trainguard does not know their "
                               "model: call trainguard.fully_shard / trainguard.parallelize_module instead of torch's "
                               "(the same arguments)")
+        self.stateful.update(discover.unregistered(opt.optimizer, [model, opt.lr_scheduler, *self.stateful.values()]))
         state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler, extra=self.stateful,
                            sharded=sharding.is_sharded(model))
         rt = rt_mod.current()
@@ -122,6 +125,7 @@ class Guard:
         atexit.unregister(self._at_exit)
         if isinstance(self.model, DataParallel):
             self.model.on_forward = None
+            self.model.close()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

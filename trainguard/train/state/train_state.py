@@ -60,8 +60,14 @@ class TrainState:
                 self.optimizer.load_state_dict(shared["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(shared["scheduler"])
+        saved = shared.get("extra", {})
+        missing = sorted(set(self.extra) - set(saved))
+        if missing:
+            raise ConfigError(f"the state to restore holds nothing for {', '.join(missing)}, which this run has: the "
+                              "script must make the same objects on every rank and in every run (a checkpoint must "
+                              "come from the same script)")
         for k, v in self.extra.items():
-            v.load_state_dict(shared["extra"][k])
+            v.load_state_dict(saved[k])
 
 
 def job_seed() -> int:
