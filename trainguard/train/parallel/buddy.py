@@ -8,13 +8,14 @@ its ward's (meshspec.py). A copy counts once it is whole; each rank keeps the la
 so when a rank dies mid-exchange the previous round is still everywhere.
 
 The cadence adapts (the 3% rule): after each round every rank proposes the number of steps
-between snapshots that keeps their cost (the step's wait plus the thread's work) within
-`budget` of the steps' time, and the ranks take the largest proposal at the next snapshot step
+between snapshots that keeps their cost (the step's wait plus the thread's work: the least of its last
+rounds, not counting a generation's first) within `budget` of the steps' time, and the ranks take the largest proposal at the next snapshot step
 (one small all-reduce there), so every rank snapshots at the same steps.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import queue
@@ -32,6 +33,7 @@ log = logging.getLogger("trainguard.buddy")
 
 BUDGET = 0.03  # snapshots may cost at most this share of the training time
 MAX_EVERY = 1000
+RECENT = 3  # rounds whose time the cadence looks at
 
 
 @dataclass
@@ -116,9 +118,17 @@ class Exchange:
         self._jobs: queue.Queue = queue.Queue()
         self.busy = False
         self.broken = ""
-        self.work_s = 0.0  # the thread's time for the last round
+        self._rounds = 0
+        self._recent: collections.deque[float] = collections.deque(maxlen=RECENT)  # the thread's time per round
         self._thread = threading.Thread(target=self._run, name="trainguard-buddy", daemon=True)
         self._thread.start()
+
+    @property
+    def work_s(self) -> float | None:
+        """The thread's time for a round: the least of the last few, the generation's first left out (it pays
+        for its first sends on a new group, while the ranks are still busy with the restore). None: not known
+        yet. The least, because one slow round (the machine busy for a moment) would space the copies for long."""
+        return min(self._recent) if self._recent else None
 
     def submit(self, step: int, tensors: dict[str, torch.Tensor], meta: dict, ready) -> None:
         self.busy = True
@@ -150,7 +160,9 @@ class Exchange:
                 log.info("the in-memory copy of step %d was not exchanged: %s", step, self.broken)
                 return
             finally:
-                self.work_s = time.monotonic() - t0
+                if self._rounds:
+                    self._recent.append(time.monotonic() - t0)
+                self._rounds += 1
                 self.busy = False
 
 

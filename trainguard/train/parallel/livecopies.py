@@ -102,8 +102,11 @@ class LiveCopies:
         ex = self.exchange
         if ex is None or ex.busy:
             return BUSY
+        work = ex.work_s
+        if work is None:  # no round of this generation measured yet (its first pays for the new group): copy again
+            return FIRST_EVERY
         # on a GPU the thread's work overlaps the steps on idle host cores; on CPU it takes cores from the training
-        return propose_every(self.snap_wait, 0.0 if self.host.on_device else ex.work_s, self.step_s)
+        return propose_every(self.snap_wait, 0.0 if self.host.on_device else work, self.step_s)
 
     def after_commit(self, voted: int) -> None:
         """Every rank, with the vote every rank got: take a copy of this committed step if it is due."""
