@@ -21,6 +21,7 @@ the source of a live recovery tests/test_sharded_recovery.py.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,8 @@ def test_fsdp_survives_each_rank_position_killed_or_stopped_bit_identically(refs
     eval), and rank 2 is SIGSTOPped after step 14 (the scheduler finds it silent and kills it)."""
     log = run(tmp_path, "faulty", "fsdp", "--bn", faults="1:5:kill,0:9:kill,2:14:stop")
     assert log.count("was killed by signal SIGKILL") == 3, log[-4000:]
+    # the survivors ran the script again (rank 1's second process twice): its earlier runs' models are gone
+    assert sorted(re.findall(r"rank (\d): live models (\d+)", log)) == [("0", "1"), ("1", "1"), ("2", "1")], log[-4000:]
     assert len(fired(tmp_path, "faulty")) == 3
     got = {(e["rank"], e["source"]) for e in restored(tmp_path, "faulty")}
     assert {(0, "peer"), (1, "peer"), (2, "peer")} <= got, got  # each replacement took its shard from its buddy's copy

@@ -10,9 +10,11 @@ checkpoints every 4 steps (`trainguard.ShardedCheckpoints`).
 
 At the end every rank writes OUT/rank<r>.safetensors: its local part of every tensor of the model
 (buffers included), the optimizer's state and hyperparameters, and the scheduler's state. Rank 0
-appends "step loss" to OUT/losses.txt after every step (a step trained again appends again).
+appends "step loss" to OUT/losses.txt after every step (a step trained again appends again). Then every
+rank prints how many models of this script are alive in the process (1: earlier runs left nothing behind).
 """
 
+import gc
 import os
 import sys
 
@@ -95,6 +97,9 @@ def main() -> None:
             print(f"epoch {epoch}: held-out accuracy {correct.item() / (len(held) * dist.get_world_size()):.3f}",
                   flush=True)
     write_part(model, opt, sched)
+    gc.collect()  # a rewind must leave nothing of the script's earlier runs alive (their models and optimizers)
+    alive = sum(1 for o in gc.get_objects() if issubclass(type(o), nn.Sequential))
+    print(f"rank {dist.get_rank()}: live models {alive}", flush=True)
 
 
 def write_part(model, opt, sched) -> None:
