@@ -14,6 +14,8 @@ import pytest
 import torch
 from harness import assert_identical, env
 
+import trainguard as tg
+
 pytestmark = pytest.mark.timeout(240)
 
 BODY = """
@@ -192,3 +194,30 @@ def test_a_sample_key_is_an_int_that_keeps_its_seed_across_pickling():
     assert back == 7 and isinstance(back, SampleKey) and back.seed == key.seed
     assert [10, 20, 30, 40, 50, 60, 70, 80][key] == 80 and torch.arange(10)[key] == 7
     assert sample_seed(123, 2, 7) == key.seed != sample_seed(123, 3, 7) != sample_seed(124, 2, 7)
+
+
+def test_a_rewind_ends_the_loader_workers_of_the_run_it_leaves():
+    """The script's earlier run is freed by the collector (its objects form cycles), which finalises a loader
+    iterator only after multiprocessing closed its queues: torch then waited 5 s per worker for a stop that never
+    came, 10 s of every recovery with 2 workers. A rewind ends them first (rewind.end_workers), as __del__ would."""
+    import gc
+    import multiprocessing
+    import time
+
+    from trainguard.train.engine import rewind
+
+    class Run:  # the run's objects, in a cycle as a script's globals and functions are
+        pass
+
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
+    run = Run()
+    run.self, run.loader = run, tg.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+    run.it = run.loader.plain_iter()
+    next(run.it)
+    assert len(multiprocessing.active_children()) == 2
+    del run
+    rewind.end_workers()
+    assert multiprocessing.active_children() == []  # ended and joined, not left to the collector
+    t0 = time.monotonic()
+    gc.collect()
+    assert time.monotonic() - t0 < 4.0  # the collector has nothing left to wait for (it took 10 s)

@@ -56,7 +56,10 @@ class DataLoader(torch.utils.data.DataLoader):
         return _TrainingBatches(self, guard)
 
     def plain_iter(self):
-        return super().__iter__()
+        iterator = super().__iter__()
+        if self.num_workers > 0:
+            rewind_mod.track_iterator(iterator)
+        return iterator
 
 
 class _OtherBatches:

@@ -21,8 +21,8 @@ to before that eval pass, and a fault in the next epoch's first step comes back 
 What happens, in order: the exception reaches `trainguard run`'s worker entry
 (launch/worker_main.py), which asks `rewinding.rewind(exc)`; `prepare` puts the buffers a
 half-done step moved back, keeps the committed state of the run's session (packed, as a peer would
-receive it), leaves the generation (its group cut and dropped, the failure reported) and forgets the
-loaders, and the guard disarms (`closers`); the entry runs the script again; its `trainguard.init()` joins the next
+receive it), leaves the generation (its group cut and dropped, the failure reported), forgets the
+loaders and ends their worker processes, and the guard disarms (`closers`); the entry runs the script again; its `trainguard.init()` joins the next
 generation, and the new session adopts the kept state before the job agrees on the restore step.
 
 Faults, by type only: `Rewind`, `CollectiveFailed` (every collective is typed:
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 
 import torch.distributed as dist
 
@@ -51,6 +52,7 @@ FAULTS: tuple[type[BaseException], ...] = (Rewind, CollectiveFailed, *((dist.Dis
 _kept: bytes | None = None
 _live = None  # the Session of this run of the script, once it started
 _loaders_made = 0  # trainguard.DataLoaders made by this run of the script
+_iterators: "weakref.WeakSet" = weakref.WeakSet()  # their iterators with worker processes, this run's
 _last: tuple[int, frozenset] | None = None  # (step, members) of the last rewind
 _in_a_row = 0
 
@@ -66,6 +68,24 @@ def track(session) -> None:
     """`session` holds this run's committed state from now on (Session.start)."""
     global _live
     _live = session
+
+
+def track_iterator(iterator) -> None:
+    """A loader iterator of this run with worker processes: a rewind ends them (`end_workers`)."""
+    _iterators.add(iterator)
+
+
+def end_workers() -> None:
+    """End the worker processes of this run's loader iterators. Left alone, the script's next run no longer
+    holds them, and the collector finalises them (the script's objects form cycles) after multiprocessing has
+    closed their queues: torch's iterator then waits 5 s for each worker to see a stop it never receives (10 s
+    of a recovery with 2 workers). torch has no public call for it: this is the one its iterator's __del__
+    makes."""
+    for iterator in list(_iterators):
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+    _iterators.clear()
 
 
 def next_loader_index() -> int:
@@ -105,6 +125,7 @@ def prepare(exc: BaseException) -> bool:
     _live = None
     global _loaders_made
     _loaders_made = 0  # the script's next run makes its loaders again, in the same order
+    end_workers()
     copies = session.live if session is not None else None  # a sharded model's copy exchange
     if copies is not None:
         copies.close(0.2)
