@@ -1,0 +1,76 @@
+"""A trainer someone else wrote for torchrun (tests/jobs/foreign_trainer.py), ported here as a user ports it, by
+changing its imports and a few lines, and never edited for trainguard. Its state trainguard is not told of (a
+`ReduceLROnPlateau`, an EMA) and its collectives outside the step (a validation every 5 steps with an all_reduce,
+an all_gather_object and a broadcast_object_list) must survive kill -9 of each rank position, in a step and in a
+validation's all_gather_object, with every tensor and value of model, EMA, optimizer and both schedulers equal to
+an uninterrupted run's. 3 ranks: with 2, every summation order gives the same bits."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import REPO, assert_identical, env
+
+pytestmark = pytest.mark.timeout(300)
+
+ORIGINAL = REPO / "tests" / "jobs" / "foreign_trainer.py"
+PORT = (  # (what the script has, what the port has)
+    ("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+     "from torch.utils.data import DataLoader, DistributedSampler, TensorDataset\n",
+     "from torch.utils.data import TensorDataset\n\nimport trainguard as tg\n"
+     "from trainguard import DDP, DataLoader, DistributedSampler\n"),
+    ('dist.init_process_group("gloo")', "tg.init()"),
+    ("    model = DDP(model)\n", "    model = DDP(model)\n    optimizer = tg.Optimizer(optimizer, lr_scheduler=warmup)\n"),
+    ("global_step = 0", "global_step = tg.start_step()"),
+    ("for epoch in range(args.epochs):", "for epoch in range(tg.start_epoch(), args.epochs):"),
+)
+
+
+def port(tmp: Path) -> Path:
+    text = ORIGINAL.read_text()
+    for was, now in PORT:
+        assert text.count(was) == 1, was
+        text = text.replace(was, now)
+    path = tmp / "foreign_trainer_port.py"
+    path.write_text(text)
+    return path
+
+
+def run(tmp: Path, name: str, script: Path, fault: str = "", at_collective: str = "") -> tuple[list[dict], dict]:
+    out = tmp / name
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "1", "--recovery-path",
+         str(out / "recovery"), str(script), "--out", str(out / "final")],
+        cwd=REPO, env=env(TG_FAULT=fault, TG_FAULT_COLLECTIVE=at_collective), capture_output=True, text=True,
+        timeout=240)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not fault or proc.stdout.count("trainguard: recovery ") == len(fault.split(",")) + bool(at_collective)
+    epochs = dict(re.findall(r"epoch (\d+) val (\S+ lr \S+)", proc.stdout))  # a validation done again prints again
+    return [torch.load(out / "final" / f"rank_{r}.pt", weights_only=True) for r in range(3)], epochs
+
+
+def test_the_port_changes_few_lines(tmp_path):
+    diff = [line for line in difflib.unified_diff(ORIGINAL.read_text().splitlines(), port(tmp_path).read_text()
+                                                  .splitlines(), lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---")) and line[1:].strip()]
+    assert len([line for line in diff if line.startswith("+")]) <= 7, diff
+
+
+def test_a_foreign_trainer_with_state_it_does_not_give_survives_each_rank_killed(tmp_path):
+    script = port(tmp_path)
+    want, want_epochs = run(tmp_path, "uninterrupted", script)
+    assert sorted(want_epochs) == ["0", "1", "2"]
+    got, epochs = run(tmp_path, "faulty", script, fault="1:12:kill,2:53:kill", at_collective="0:all_gather_object:3")
+    for r in range(3):
+        assert_identical(got[r], want[r], f"rank {r}")
+    assert epochs == want_epochs
+    assert want[0]["plateau"]["num_bad_epochs"] or want[0]["plateau"]["best"] < float("inf")  # it was stepped
+    assert int(want[0]["ema"]["n_averaged"]) > 0
