@@ -46,7 +46,7 @@ def run(tmp: Path, name: str, script: Path, fault: str = "", at_collective: str 
     out = tmp / name
     proc = subprocess.run(
         [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "1", "--recovery-path",
-         str(out / "recovery"), str(script), "--out", str(out / "final")],
+         str(out / "recovery"), str(script), "--epochs", "2", "--out", str(out / "final")],
         cwd=REPO, env=env(TG_FAULT=fault, TG_FAULT_COLLECTIVE=at_collective), capture_output=True, text=True,
         timeout=240)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,7 +67,8 @@ def test_the_port_changes_few_lines(tmp_path):
 def test_a_foreign_trainer_with_state_it_does_not_give_survives_each_rank_killed(tmp_path):
     script = port(tmp_path)
     want, want_epochs = run(tmp_path, "uninterrupted", script)
-    assert sorted(want_epochs) == ["0", "1", "2"]
+    assert sorted(want_epochs) == ["0", "1"]  # 27 steps an epoch
+    # rank 1 in a step of epoch 0, rank 0 in the third validation, rank 2 in the last step but one of epoch 1
     got, epochs = run(tmp_path, "faulty", script, fault="1:12:kill,2:53:kill", at_collective="0:all_gather_object:3")
     for r in range(3):
         assert_identical(got[r], want[r], f"rank {r}")

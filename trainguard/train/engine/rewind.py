@@ -22,8 +22,9 @@ What happens, in order: the exception reaches `trainguard run`'s worker entry
 (launch/worker_main.py), which asks `rewinding.rewind(exc)`; `prepare` puts the buffers a
 half-done step moved back, keeps the committed state of the run's session (packed, as a peer would
 receive it), leaves the generation (its group cut and dropped, the failure reported), forgets the
-loaders and ends their worker processes, and the guard disarms (`closers`); the entry runs the script again; its `trainguard.init()` joins the next
-generation, and the new session adopts the kept state before the job agrees on the restore step.
+loaders and ends their worker processes, and the guard disarms (`closers`); the entry runs the script
+again; its `trainguard.init()` joins the next generation, and the new session adopts the kept state
+before the job agrees on the restore step. Nothing of the run it left stays alive.
 
 Faults, by type only: `Rewind`, `CollectiveFailed` (every collective is typed:
 worker/collectives.py) and torch's `DistError`. Anything else ends the process as before. A

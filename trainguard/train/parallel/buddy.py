@@ -8,9 +8,10 @@ its ward's (meshspec.py). A copy counts once it is whole; each rank keeps the la
 so when a rank dies mid-exchange the previous round is still everywhere.
 
 The cadence adapts (the 3% rule): after each round every rank proposes the number of steps
-between snapshots that keeps their cost (the step's wait plus the thread's work: the least of its last
-rounds, not counting a generation's first) within `budget` of the steps' time, and the ranks take the largest proposal at the next snapshot step
-(one small all-reduce there), so every rank snapshots at the same steps.
+between snapshots that keeps their cost (the step's wait plus the thread's work: the least of its
+last rounds, not counting a generation's first) within `budget` of the steps' time, and the ranks
+take the largest proposal at the next snapshot step (one small all-reduce there), so every rank
+snapshots at the same steps.
 """
 
 from __future__ import annotations

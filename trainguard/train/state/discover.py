@@ -30,17 +30,16 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.optim.swa_utils import AveragedModel
 
 from ...errors import ConfigError
-
-log = logging.getLogger("trainguard.guard")
 
 try:
     from torch.amp import GradScaler
 except ImportError:  # torch < 2.3: only the CUDA one
     from torch.cuda.amp import GradScaler  # type: ignore[assignment,no-redef]
 
-from torch.optim.swa_utils import AveragedModel
+log = logging.getLogger("trainguard.guard")
 
 KINDS = (("lr_scheduler", (LRScheduler, ReduceLROnPlateau)), ("grad_scaler", (GradScaler,)),
          ("averaged_model", (AveragedModel,)))
