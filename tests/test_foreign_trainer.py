@@ -32,9 +32,9 @@ PORT = (  # (what the script has, what the port has)
 )
 
 
-def port(tmp: Path) -> Path:
+def port(tmp: Path, replacements=PORT) -> Path:
     text = ORIGINAL.read_text()
-    for was, now in PORT:
+    for was, now in replacements:
         assert text.count(was) == 1, was
         text = text.replace(was, now)
     path = tmp / "foreign_trainer_port.py"
@@ -42,7 +42,7 @@ def port(tmp: Path) -> Path:
     return path
 
 
-def run(tmp: Path, name: str, script: Path, fault: str = "", at_collective: str = "") -> tuple[list[dict], dict]:
+def run(tmp: Path, name: str, script: Path, fault: str = "", at_collective: str = "") -> tuple[list[dict], dict, str]:
     out = tmp / name
     proc = subprocess.run(
         [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "1", "--recovery-path",
@@ -54,7 +54,7 @@ def run(tmp: Path, name: str, script: Path, fault: str = "", at_collective: str 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not fault or proc.stdout.count("trainguard: recovery ") == len(fault.split(",")) + bool(at_collective)
     epochs = dict(re.findall(r"epoch (\d+) val (\S+ lr \S+)", proc.stdout))  # a validation done again prints again
-    return [torch.load(out / "final" / f"rank_{r}.pt", weights_only=True) for r in range(3)], epochs
+    return [torch.load(out / "final" / f"rank_{r}.pt", weights_only=True) for r in range(3)], epochs, proc.stderr
 
 
 def test_the_port_changes_few_lines(tmp_path):
@@ -66,12 +66,25 @@ def test_the_port_changes_few_lines(tmp_path):
 
 def test_a_foreign_trainer_with_state_it_does_not_give_survives_each_rank_killed(tmp_path):
     script = port(tmp_path)
-    want, want_epochs = run(tmp_path, "uninterrupted", script)
+    want, want_epochs, _ = run(tmp_path, "uninterrupted", script)
     assert sorted(want_epochs) == ["0", "1"]  # 27 steps an epoch
     # rank 1 in a step of epoch 0, rank 0 in the third validation, rank 2 in the last step but one of epoch 1
-    got, epochs = run(tmp_path, "faulty", script, fault="1:12:kill,2:53:kill", at_collective="0:all_gather_object:3")
+    got, epochs, log = run(tmp_path, "faulty", script, fault="1:12:kill,2:53:kill",
+                           at_collective="0:all_gather_object:3")
     for r in range(3):
         assert_identical(got[r], want[r], f"rank {r}")
     assert epochs == want_epochs
     assert want[0]["plateau"]["num_bad_epochs"] or want[0]["plateau"]["best"] < float("inf")  # it was stepped
     assert int(want[0]["ema"]["n_averaged"]) > 0
+    assert "no trainguard.DataLoader drives its steps" not in log
+
+
+def test_a_port_that_keeps_torchs_training_loader_is_told_at_the_first_restore(tmp_path):
+    """The one port mistake trainguard cannot repair: torch's DataLoader restarts its epoch after a restore, so
+    batches are trained twice. The job cannot tell it from an eval loader, so it says so loudly when it resumes."""
+    keeps_torchs = tuple((was, now.replace("DDP, DataLoader, DistributedSampler", "DDP\nfrom torch.utils.data import "
+                                           "DataLoader, DistributedSampler")) for was, now in PORT)
+    _, _, log = run(tmp_path, "torchs-loader", port(tmp_path, keeps_torchs), fault="1:12:kill")
+    assert ("warning: the job resumes at step 12, batch 12 of epoch 0, but no trainguard.DataLoader drives its "
+            "steps, and the script has 2 torch.utils.data.DataLoaders" in log), log[-3000:]
+    assert "batches 0-11 of epoch 0 are trained twice" in log and "Import DataLoader and DistributedSampler" in log

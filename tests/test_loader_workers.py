@@ -199,24 +199,28 @@ def test_a_sample_key_is_an_int_that_keeps_its_seed_across_pickling():
 def test_a_rewind_ends_the_loader_workers_of_the_run_it_leaves():
     """The script's earlier run is freed by the collector (its objects form cycles), which finalises a loader
     iterator only after multiprocessing closed its queues: torch then waited 5 s per worker for a stop that never
-    came, 10 s of every recovery with 2 workers. A rewind ends them first (rewind.end_workers), as __del__ would."""
+    came, 10 s of every recovery with 2 workers. A rewind ends them first (plainloaders.end_workers, called by
+    rewind.prepare), as __del__ would: trainguard's loaders and torch's alike."""
     import gc
     import multiprocessing
     import time
 
-    from trainguard.train.engine import rewind
+    from trainguard.train.data import plainloaders
 
     class Run:  # the run's objects, in a cycle as a script's globals and functions are
         pass
 
     ds = torch.utils.data.TensorDataset(torch.randn(64, 4))
     run = Run()
-    run.self, run.loader = run, tg.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
-    run.it = run.loader.plain_iter()
-    next(run.it)
-    assert len(multiprocessing.active_children()) == 2
+    run.self = run
+    run.ours = tg.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+    run.theirs = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)
+    run.iterators = [run.ours.plain_iter(), iter(run.theirs)]
+    for it in run.iterators:
+        next(it)
+    assert len(multiprocessing.active_children()) == 3
     del run
-    rewind.end_workers()
+    assert plainloaders.end_workers() == 2
     assert multiprocessing.active_children() == []  # ended and joined, not left to the collector
     t0 = time.monotonic()
     gc.collect()

@@ -20,6 +20,7 @@ from ...errors import ConfigError
 from ..engine import guard as guard_mod
 from ..engine import rewind as rewind_mod
 from .loaderseed import seed_loader_samples
+from .plainloaders import Resumable
 from .sampler import ShardedSampler, sharded_sampler
 
 
@@ -33,7 +34,7 @@ class DistributedSampler(ShardedSampler):
                          drop_last=drop_last)
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader, Resumable):
     """A drop-in for torch's DataLoader; see the module docstring."""
 
     def __init__(self, *args, **kwargs):
@@ -56,10 +57,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return _TrainingBatches(self, guard)
 
     def plain_iter(self):
-        iterator = super().__iter__()
-        if self.num_workers > 0:
-            rewind_mod.track_iterator(iterator)
-        return iterator
+        return super().__iter__()
 
 
 class _OtherBatches:

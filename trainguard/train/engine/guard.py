@@ -44,6 +44,7 @@ import torch
 from ... import rewinding
 from ...errors import CollectiveFailed, ConfigError, Rewind
 from ...worker import runtime as rt_mod
+from ..data import plainloaders
 from ..parallel import sharding
 from ..parallel.ddp import DataParallel
 from ..state import discover
@@ -114,6 +115,11 @@ class Guard:
         self._armed = session.stop.armed()
         self._armed.__enter__()  # SIGTERM/SIGINT/SIGUSR1: a graceful stop at the next commit point
         session.start()
+        if rt.rank == 0 and session.step and session.in_epoch and session.train_loader is None:
+            loaders = plainloaders.torch_loaders()  # a restore mid-epoch that torch's loaders cannot follow?
+            if loaders:
+                print(plainloaders.mid_epoch_warning(session.step, session.epoch, session.in_epoch, loaders),
+                      file=sys.stderr, flush=True)
         atexit.register(self._at_exit)
         return session
 

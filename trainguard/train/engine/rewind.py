@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import weakref
 
 import torch.distributed as dist
 
 from ... import rewinding
 from ...errors import CollectiveFailed, Rewind
 from ...worker import runtime as rt_mod
+from ..data import plainloaders
 
 log = logging.getLogger("trainguard.rewind")
 
@@ -53,7 +53,6 @@ FAULTS: tuple[type[BaseException], ...] = (Rewind, CollectiveFailed, *((dist.Dis
 _kept: bytes | None = None
 _live = None  # the Session of this run of the script, once it started
 _loaders_made = 0  # trainguard.DataLoaders made by this run of the script
-_iterators: "weakref.WeakSet" = weakref.WeakSet()  # their iterators with worker processes, this run's
 _last: tuple[int, frozenset] | None = None  # (step, members) of the last rewind
 _in_a_row = 0
 
@@ -69,24 +68,6 @@ def track(session) -> None:
     """`session` holds this run's committed state from now on (Session.start)."""
     global _live
     _live = session
-
-
-def track_iterator(iterator) -> None:
-    """A loader iterator of this run with worker processes: a rewind ends them (`end_workers`)."""
-    _iterators.add(iterator)
-
-
-def end_workers() -> None:
-    """End the worker processes of this run's loader iterators. Left alone, the script's next run no longer
-    holds them, and the collector finalises them (the script's objects form cycles) after multiprocessing has
-    closed their queues: torch's iterator then waits 5 s for each worker to see a stop it never receives (10 s
-    of a recovery with 2 workers). torch has no public call for it: this is the one its iterator's __del__
-    makes."""
-    for iterator in list(_iterators):
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-    _iterators.clear()
 
 
 def next_loader_index() -> int:
@@ -126,7 +107,7 @@ def prepare(exc: BaseException) -> bool:
     _live = None
     global _loaders_made
     _loaders_made = 0  # the script's next run makes its loaders again, in the same order
-    end_workers()
+    plainloaders.end_workers()  # this run's loader workers (left to the collector, each cost 5 s)
     copies = session.live if session is not None else None  # a sharded model's copy exchange
     if copies is not None:
         copies.close(0.2)
