@@ -143,14 +143,14 @@ def test_state_the_script_did_not_give_is_found_and_named_by_its_class():
         ema = torch.optim.swa_utils.AveragedModel(model)
         off = torch.amp.GradScaler("cpu", enabled=False)  # keeps no state
         scaler = torch.amp.GradScaler("cpu")
-        found = discover.unregistered(opt, [model, given])
+        found = discover.unregistered(opt, [model, given], rewound=True)
         assert found == {"lr_scheduler:ReduceLROnPlateau": plateau, "lr_scheduler:SequentialLR": chain,
                          "averaged_model:AveragedModel": ema, "grad_scaler:GradScaler": scaler}, found
-        assert discover.unregistered(opt, [model, given, plateau, chain, ema, scaler]) == {}
+        assert discover.unregistered(opt, [model, given, plateau, chain, ema, scaler], rewound=False) == {}
         second = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
         with pytest.raises(tg.ConfigError, match="more than one lr_scheduler:ReduceLROnPlateau.*register_state"):
-            discover.unregistered(opt, [model, given])
-        assert discover.unregistered(opt, [model, given, plateau, second, chain, ema, scaler]) == {}
+            discover.unregistered(opt, [model, given], rewound=True)
+        assert discover.unregistered(opt, [model, given, plateau, second, chain, ema, scaler], rewound=False) == {}
         print("checked")
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

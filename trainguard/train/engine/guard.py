@@ -89,7 +89,8 @@ class Guard:
             raise ConfigError("the optimizer's parameters are sharded (DTensors), but trainguard does not know their "
                               "model: call trainguard.fully_shard / trainguard.parallelize_module instead of torch's "
                               "(the same arguments)")
-        self.stateful.update(discover.unregistered(opt.optimizer, [model, opt.lr_scheduler, *self.stateful.values()]))
+        self.stateful.update(discover.unregistered(opt.optimizer, [model, opt.lr_scheduler, *self.stateful.values()],
+                                                   rewound=rewind_mod.rewound()))
         state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler, extra=self.stateful,
                            sharded=sharding.is_sharded(model))
         rt = rt_mod.current()

@@ -55,6 +55,7 @@ _live = None  # the Session of this run of the script, once it started
 _loaders_made = 0  # trainguard.DataLoaders made by this run of the script
 _last: tuple[int, frozenset] | None = None  # (step, members) of the last rewind
 _in_a_row = 0
+_rewound = False  # the script has run again in this process
 
 
 def take_kept() -> bytes | None:
@@ -68,6 +69,11 @@ def track(session) -> None:
     """`session` holds this run's committed state from now on (Session.start)."""
     global _live
     _live = session
+
+
+def rewound() -> bool:
+    """True once the script runs again in this process: objects of its earlier run may still wait for the collector."""
+    return _rewound
 
 
 def next_loader_index() -> int:
@@ -105,8 +111,9 @@ def prepare(exc: BaseException) -> bool:
             session.buffers.rollback()  # a step cut short moved them
         _kept = session.pack_live() if session.holds_state else None
     _live = None
-    global _loaders_made
+    global _loaders_made, _rewound
     _loaders_made = 0  # the script's next run makes its loaders again, in the same order
+    _rewound = True
     plainloaders.end_workers()  # this run's loader workers (left to the collector, each cost 5 s)
     copies = session.live if session is not None else None  # a sharded model's copy exchange
     if copies is not None:

@@ -6,9 +6,9 @@ step and a `ReduceLROnPlateau` per epoch), keep a `GradScaler`, or average its w
 come back after a recovery as the script builds it, and the job would end with other weights than a run
 without a fault, silently.
 
-So when training starts, trainguard looks among the script's live objects (`gc.get_objects`, after a
-collection: the objects made since the zygote's or the spare's `gc.freeze`, a few thousand; in a process
-that froze nothing, a search of about 0.1-0.3 s) for:
+So when training starts, trainguard looks among the script's live objects (`gc.get_objects`: the objects
+made since the zygote's or the spare's `gc.freeze`, a few thousand; in a process that froze nothing, torch's
+too, a search of about 0.1 s; after a rewind, a collection first) for:
 - LR schedulers (torch's `LRScheduler`, `ReduceLROnPlateau` included) bound to the wrapped optimizer;
 - `torch.amp.GradScaler`s (and the older `torch.cuda.amp` one, a subclass);
 - `torch.optim.swa_utils.AveragedModel`s;
@@ -43,6 +43,7 @@ log = logging.getLogger("trainguard.guard")
 
 KINDS = (("lr_scheduler", (LRScheduler, ReduceLROnPlateau)), ("grad_scaler", (GradScaler,)),
          ("averaged_model", (AveragedModel,)))
+ANY = tuple(t for _, types in KINDS for t in types)
 
 
 def naming(found: Iterable[tuple[str, str]]) -> list[str]:
@@ -68,9 +69,8 @@ def _children(obj) -> list:
 
 
 def _kind(obj, optimizer: torch.optim.Optimizer) -> str | None:
-    cls = type(obj)  # not isinstance: some objects' __class__ warns (torch's reduce_op)
     for kind, types in KINDS:
-        if issubclass(cls, types):
+        if issubclass(type(obj), types):
             if kind == "lr_scheduler" and getattr(obj, "optimizer", None) is not optimizer:
                 return None  # another optimizer's (or a previous run of the script's)
             if kind == "grad_scaler" and not obj.is_enabled():
@@ -79,14 +79,23 @@ def _kind(obj, optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def unregistered(optimizer: torch.optim.Optimizer, given: Iterable[object]) -> dict[str, object]:
+def unregistered(optimizer: torch.optim.Optimizer, given: Iterable[object], *, rewound: bool) -> dict[str, object]:
     """{name: object} of the state objects the script made and did not give (see the module docstring).
-    `given`: the objects trainguard has (the model, the scheduler given, the registered ones)."""
-    gc.collect()  # a previous run of the script's objects (a rewind) must not be found: they are garbage now
+    `given`: the objects trainguard has (the model, the scheduler given, the registered ones). `rewound`: the
+    script runs again in this process, and its earlier run's objects, garbage now, are collected first."""
+    if rewound:
+        gc.collect()
     given = [o for o in given if o is not None]
     known = {id(o) for o in given} | {id(c) for o in given for c in _children(o)}
-    found = [(kind, obj) for obj in gc.get_objects()
-             if id(obj) not in known and (kind := _kind(obj, optimizer)) is not None]
+    of_a_kind: dict[type, bool] = {}  # by type: a process holds a few hundred thousand objects of few types
+    found = []
+    for obj in gc.get_objects():
+        cls = type(obj)  # not isinstance: some objects' __class__ warns (torch's reduce_op)
+        hit = of_a_kind.get(cls)
+        if hit is None:
+            hit = of_a_kind[cls] = issubclass(cls, ANY)
+        if hit and id(obj) not in known and (kind := _kind(obj, optimizer)) is not None:
+            found.append((kind, obj))
     inside = {id(c) for _, obj in found for c in _children(obj)}
     found = [(kind, obj) for kind, obj in found if id(obj) not in inside]
     names = naming((kind, type(obj).__qualname__) for kind, obj in found)
