@@ -42,11 +42,12 @@ def port(tmp: Path, replacements=PORT) -> Path:
     return path
 
 
-def run(tmp: Path, name: str, script: Path, fault: str = "", at_collective: str = "") -> tuple[list[dict], dict, str]:
+def run(tmp: Path, name: str, script: Path, fault: str = "", at_collective: str = "",
+        epochs: int = 2) -> tuple[list[dict], dict, str]:
     out = tmp / name
     proc = subprocess.run(
         [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "1", "--recovery-path",
-         str(out / "recovery"), str(script), "--epochs", "2", "--out", str(out / "final")],
+         str(out / "recovery"), str(script), "--epochs", str(epochs), "--out", str(out / "final")],
         cwd=REPO, env=env(TG_FAULT=fault, TG_FAULT_COLLECTIVE=at_collective), capture_output=True, text=True,
         timeout=240)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +85,7 @@ def test_a_port_that_keeps_torchs_training_loader_is_told_at_the_first_restore(t
     batches are trained twice. The job cannot tell it from an eval loader, so it says so loudly when it resumes."""
     keeps_torchs = tuple((was, now.replace("DDP, DataLoader, DistributedSampler", "DDP\nfrom torch.utils.data import "
                                            "DataLoader, DistributedSampler")) for was, now in PORT)
-    _, _, log = run(tmp_path, "torchs-loader", port(tmp_path, keeps_torchs), fault="1:12:kill")
+    _, _, log = run(tmp_path, "torchs-loader", port(tmp_path, keeps_torchs), fault="1:12:kill", epochs=1)
     assert ("warning: the job resumes at step 12, batch 12 of epoch 0, but no trainguard.DataLoader drives its "
             "steps, and the script has 2 torch.utils.data.DataLoaders" in log), log[-3000:]
     assert "batches 0-11 of epoch 0 are trained twice" in log and "Import DataLoader and DistributedSampler" in log
