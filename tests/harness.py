@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
 import json
 import os
@@ -115,6 +116,14 @@ def assert_identical(a, b, where: str = "") -> None:
         assert (a == b).all(), f"{where}: arrays differ"
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def changed_lines(original: Path, port: Path) -> tuple[int, str]:
+    """How many lines a port changed from its original (the larger side of each differing run), and the diff."""
+    a, b = original.read_text().splitlines(), port.read_text().splitlines()
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return (sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal"),
+            "\n".join(difflib.unified_diff(a, b, lineterm="")))
 
 
 def events(out: Path) -> list[dict]:

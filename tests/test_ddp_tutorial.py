@@ -4,7 +4,6 @@ to an uninterrupted run. 3 workers: with 2 every summation order is exact, so an
 
 from __future__ import annotations
 
-import difflib
 import re
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import REPO, assert_identical, env, events, wait_for
+from harness import REPO, changed_lines, assert_identical, env, events, wait_for
 from safetensors.torch import load_file
 
 from trainguard.exitcodes import EXIT_PREEMPTED
@@ -57,11 +56,9 @@ def baseline(tmp_path_factory):
 
 
 def test_the_port_changes_at_most_ten_lines():
-    original, port = ORIGINAL.read_text().splitlines(), PORT.read_text().splitlines()
-    changed = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in
-                  difflib.SequenceMatcher(None, original, port, autojunk=False).get_opcodes() if tag != "equal")
-    assert 0 < changed <= 10, "\n".join(difflib.unified_diff(original, port, lineterm=""))
-    assert not re.search(r"^(import|from) trainguard", "\n".join(original), re.M)  # the original is plain torch
+    changed, diff = changed_lines(ORIGINAL, PORT)
+    assert 0 < changed <= 10, diff
+    assert not re.search(r"^(import|from) trainguard", ORIGINAL.read_text(), re.M)  # the original is plain torch
 
 
 def test_kill_9_of_a_worker_is_bit_identical(tmp_path, baseline):

@@ -34,6 +34,7 @@ from .children import Child, signal_alive, wait_exits
 from .exitreport import report_death
 from .forked import Process, ZygoteLink, room_for, start_process, start_zygote
 from .policy import (
+    TORCHELASTIC_RESTART_COUNT,
     Action,
     Decision,
     Failure,
@@ -313,6 +314,8 @@ class Supervisor:
     def restart(self, child: Child, budget: str | None = None) -> None:
         """A worker from a hot spare when one is alive, else a new process (_start)."""
         budget = budget or f"restart {self.restarts_used}/{self.spec.max_restarts}"
+        if child.role is Role.WORKER:  # as torchrun counts its restarts
+            child.env[TORCHELASTIC_RESTART_COUNT] = str(child.restarts)
         more = self.restarts_used < self.spec.max_restarts  # else no restart will need a successor
         spare = self.spares.take(replace=more) if self.spares and child.role is Role.WORKER else None
         if not more:

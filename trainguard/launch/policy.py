@@ -34,7 +34,6 @@ from ..config import (
     SCHED_HOST_ENV,
     SCHED_PORT_ENV,
     TERMINAL_ENV,
-    TORCHRUN_LOCAL_RANK,
     WORKER_NUM_ENV,
     Role,
 )
@@ -360,12 +359,30 @@ def worker_env(base: Mapping[str, str], spec: LaunchSpec, index: int, *, node_id
     """Local worker `index`; its node id is this host's share of the ranks, or `node_id` (recover: a worker
     placed here from another host keeps its node id, hence its rank)."""
     env = _cluster_env(base, spec, Role.WORKER)
-    set_env(env, NODE_ID_ENV, node_id if node_id is not None else str(spec.node_rank * spec.nproc_per_node + index))
+    node = node_id if node_id is not None else str(spec.node_rank * spec.nproc_per_node + index)
+    set_env(env, NODE_ID_ENV, node)
     set_env(env, LOCAL_RANK_ENV, str(index))
-    env[TORCHRUN_LOCAL_RANK] = str(index)  # for scripts that pick their device torchrun's way
+    env.update(torchrun_env(spec, int(node), index))
     env.setdefault("OMP_NUM_THREADS", "1")
     set_env(env, TERMINAL_ENV, spec.terminal)  # their stderr is a pipe to the agent (train/engine/progress.py)
     return env
+
+
+def torchrun_env(spec: LaunchSpec, rank: int, index: int, restarts: int = 0) -> dict[str, str]:
+    """What torchrun sets before a worker's script starts, for scripts (and frameworks) that read it first. A
+    node id of `trainguard run` is its fixed rank; `init()` sets RANK and WORLD_SIZE to each generation's values
+    (the same, unless `elastic` shrank the job). MASTER_ADDR/MASTER_PORT name the scheduler: a script's own
+    `init_process_group()` joins trainguard's group and opens no store there (worker/pginit.py)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(spec.world_size), "LOCAL_RANK": str(index),
+            "LOCAL_WORLD_SIZE": str(spec.nproc_per_node), "GROUP_RANK": str(spec.node_rank),
+            "GROUP_WORLD_SIZE": str(spec.nnodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(spec.world_size),
+            "ROLE_NAME": "default", "MASTER_ADDR": spec.sched_host, "MASTER_PORT": str(spec.sched_port),
+            TORCHELASTIC_RESTART_COUNT: str(restarts)}
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
 def spare_env(base: Mapping[str, str], spec: LaunchSpec) -> dict[str, str]:
@@ -373,5 +390,6 @@ def spare_env(base: Mapping[str, str], spec: LaunchSpec) -> dict[str, str]:
     env = worker_env(base, spec, 0)
     set_env(env, NODE_ID_ENV, None)
     set_env(env, LOCAL_RANK_ENV, None)
-    env.pop(TORCHRUN_LOCAL_RANK, None)
+    for name in (*TORCHRUN_ENV, TORCHELASTIC_RESTART_COUNT):  # it learns them when it takes a worker's place
+        env.pop(name, None)
     return env

@@ -36,6 +36,9 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
+import importlib.abc
+import importlib.machinery
 import io
 import os
 import runpy
@@ -48,6 +51,7 @@ from .. import rewinding, signals
 from ..errors import ConfigError, Rewind
 from ..exitcodes import EXIT_CONFIG_ERROR
 
+PGINIT, PGINIT_AFTER = "trainguard.worker.pginit", "torch.distributed.distributed_c10d"
 DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (SyntaxError, ImportError, ConfigError)
 DETERMINISTIC_MARK = f"trainguard: a deterministic error, so exit code {EXIT_CONFIG_ERROR} and no restart: "
 
@@ -84,11 +88,54 @@ def run_script(script: str) -> None:
     sends it back to its committed step (rewinding.py). An uncaught exception is printed from the script's own
     frames on, as python prints it, then ends the process: exit 1, or 78 if the error is deterministic."""
     rewinding.allow()
+    arm_process_group_join()
     argv = list(sys.argv)
     while True:
         sys.argv = list(argv)  # the script may have changed it
         if not _run_once(script):
             return
+
+
+def arm_process_group_join() -> None:
+    """The script's own `torch.distributed.init_process_group()` joins trainguard's group (worker/pginit.py): now if
+    torch.distributed is loaded (the zygote, a hot spare), else the moment the script imports it. By name: the
+    launcher imports no torch, and a script that never uses torch.distributed never loads it."""
+    if PGINIT_AFTER in sys.modules:
+        importlib.import_module(PGINIT).install()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(PGINIT_AFTER, lambda: importlib.import_module(PGINIT).install()))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then()` right after the module `name` is executed, once."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    def __init__(self, loader, then) -> None:
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        self.then()
+
+    def __getattr__(self, name: str):  # get_source and the rest: the real loader's (tracebacks, inspect)
+        return getattr(self.loader, name)
 
 
 def _run_once(script: str) -> bool:

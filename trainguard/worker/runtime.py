@@ -208,8 +208,9 @@ class Runtime:
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
         before = open_sockets()
         _reset_group_names()
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=self.cfg.group_build_timeout), **kwargs)
+        init = c10d.init_process_group  # torch's own, also where a script's call joins this group (pginit.py)
+        getattr(init, "__wrapped__", init)(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                           timeout=timedelta(seconds=self.cfg.group_build_timeout), **kwargs)
         self.group = dist.group.WORLD
         _set_pg_timeout(timeout, self.group)  # built: collectives get the full collective timeout
         if backend == "gloo":

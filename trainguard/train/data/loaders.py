@@ -49,9 +49,7 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
         seed_loader_samples(self, sharded_sampler(self), session.seed)  # random draws in workers (loaderseed.py)
         if session.train_loader != self.tg_index:
             return _OtherBatches(self, guard)
-        if not isinstance(self.sampler, ShardedSampler):
-            raise ConfigError("the loader that drives the training steps needs sampler=trainguard.DistributedSampler("
-                              "dataset), so that its position can be restored after a failure")
+        refuse_unresumable(self)
         session.state.loader = self
         session.sampler = self.sampler
         return _TrainingBatches(self, guard)
@@ -72,9 +70,17 @@ class _OtherBatches:
 
     def __next__(self):
         self.guard.poll()
-        batch = next(self.it)
-        if not self.guard.training_batch(self.loader.tg_index):
-            self.guard.session.rng_touched = True  # eval between steps: the next step seeds again
+        session = self.guard.session
+        trains = session.train_loader == self.loader.tg_index  # the first commit named this pass's loader
+        if trains:
+            refuse_unresumable(self.loader)  # now, not at the first fault, hours later
+        try:
+            batch = next(self.it)
+        except StopIteration:
+            if trains and session.in_epoch >= len(self.loader):
+                end_pass(session)  # its next pass begins the next epoch
+            raise
+        self.guard.training_batch(self.loader.tg_index)
         return batch
 
 
@@ -86,11 +92,9 @@ class _TrainingBatches:
         session = guard.session
         self.restores = session.restores
         sampler, steps = loader.sampler, len(loader)
-        if session.in_epoch >= steps and (sampler.epoch > session.epoch or session.pass_ended):
-            session.roll_epoch(max(sampler.epoch, session.epoch + 1))  # the next epoch's pass begins
-        if sampler.epoch_given and sampler.epoch < session.epoch:
-            raise ConfigError(f"this process resumed at epoch {session.epoch} (step {session.step}), but its loop is "
-                              f"at epoch {sampler.epoch}: start the epoch loop at trainguard.start_epoch()")
+        if session.in_epoch >= steps and session.pass_ended:
+            session.roll_epoch(session.epoch + 1)  # the next epoch's pass begins (set_epoch's number is only its label)
+        begin_pass(session, sampler.epoch)
         self.it = self._from_position()
 
     def _from_position(self):
@@ -113,12 +117,46 @@ class _TrainingBatches:
             batch = next(self.it)
         except StopIteration:
             if session.in_epoch >= len(self.loader):
-                session.pass_ended = True
+                end_pass(session)
             raise
         guard.fetched += 1
         if not guard.in_step:
             guard.begin_step(batch, loader=self.loader.tg_index)
         return batch
+
+
+def end_pass(session) -> None:
+    """The training loader's pass over the committed epoch ran to its end: the next pass begins the next epoch, and
+    the hyperparameters as they are now are those of the committed position (the session's `pass_end`)."""
+    if not session.pass_ended:
+        session.pass_ended = True
+        session.pass_end = session.state.hyperparameters()
+
+
+def begin_pass(session, label: int) -> None:
+    """The training loader starts a pass shuffled with `label` (its set_epoch, a label, never a position): the first
+    one of the epoch names it; one that differs from the label the restored position's pass had means the script's
+    loop resumed at another epoch than the job (ConfigError)."""
+    if session.pass_label is None:
+        session.pass_label = label
+    elif label != session.pass_label:
+        raise ConfigError(
+            f"this process resumed at step {session.step}, in epoch {session.epoch} of the job (batch "
+            f"{session.in_epoch}), whose pass the loop shuffled with set_epoch({session.pass_label}), but the loop now "
+            f"calls set_epoch({label}): start the epoch loop where the job is, "
+            "`for epoch in range(trainguard.start_epoch(), epochs)`, and number its epochs as before")
+
+
+def refuse_unresumable(loader: DataLoader) -> None:
+    """ConfigError unless the loader that drives the steps can resume at the committed batch."""
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        raise ConfigError("the loader that drives the training steps reads an IterableDataset (a stream), whose "
+                          "position trainguard cannot set after a failure: resuming it is not supported yet. Use a "
+                          "map-style dataset (__getitem__ and __len__) with sampler=trainguard.DistributedSampler("
+                          "dataset)")
+    if not isinstance(loader.sampler, ShardedSampler):
+        raise ConfigError("the loader that drives the training steps needs sampler=trainguard.DistributedSampler("
+                          "dataset), so that its position can be restored after a failure")
 
 
 def _quietly(make):

@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from ..state.train_state import SEED_RANGE, seed_streams
+from ..state.streams import SEED_RANGE, seed_streams
 
 log = logging.getLogger("trainguard.loaders")
 

@@ -86,7 +86,6 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         self.seed = _check_int("seed", seed, 0)
         self.drop_last = bool(drop_last)
         self._epoch = 0
-        self.epoch_given = False  # set_epoch was called: the loop names its epochs
         self._start = 0  # where the next __iter__ begins; one-shot
         self._position = 0  # indices handed out so far in the current epoch (in its current phase)
         self._base = 0  # global-order offset where the current phase starts (0 unless re-sharded mid-epoch)
@@ -142,9 +141,10 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch; a new epoch starts at position 0, the current one keeps its position."""
+        """Select the epoch whose order the next pass hands out (shuffled with seed + epoch); a new epoch starts at
+        position 0, the current one keeps its position. Under a trainguard loader the number is only the shuffle's
+        label: the position is the job's (train/data/loaders.py)."""
         _check_int("epoch", epoch, 0)
-        self.epoch_given = True
         if epoch != self._epoch:
             self._epoch, self._start, self._position, self._base = epoch, 0, 0, 0
 

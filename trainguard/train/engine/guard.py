@@ -33,7 +33,6 @@
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
 import os
 import sys
@@ -70,7 +69,7 @@ class Guard:
         self.model: torch.nn.Module | None = None  # a DataParallel, or a sharded model (train/parallel/sharding.py)
         self.stateful: dict[str, object] = dict(_pending_state)
         self._armed = None
-        self._hook = None  # the forward pre-hook on a sharded model
+        self._hooks: list = []  # the forward hooks on a sharded model
         self.in_step = False
         self.step_loader: int | None = None  # the loader whose batch began this step
         self.recent_loader: int | None = None  # the last loader a training batch came from since the last commit
@@ -109,10 +108,11 @@ class Guard:
         session.rewinds = rewinding.available()
         self.session = session
         if isinstance(model, DataParallel):
-            model.on_forward = self.before_forward
+            model.on_forward, model.after_forward = self.before_forward, self.after_forward
         elif model is not None:
-            self._hook = model.register_forward_pre_hook(lambda _m, _args: self.before_forward(), prepend=True)  # before
-            # FSDP2 gathers the parameters: a copy taken at the step's start reads the sharded ones
+            self._hooks = [model.register_forward_pre_hook(lambda _m, _args: self.before_forward(), prepend=True),
+                           # before FSDP2 gathers the parameters: a copy taken at the step's start reads the sharded ones
+                           model.register_forward_hook(lambda _m, _args, _out: self.after_forward())]
         self._armed = session.stop.armed()
         self._armed.__enter__()  # SIGTERM/SIGINT/SIGUSR1: a graceful stop at the next commit point
         session.start()
@@ -131,21 +131,29 @@ class Guard:
             self._armed = None
         atexit.unregister(self._at_exit)
         if isinstance(self.model, DataParallel):
-            self.model.on_forward = None
+            self.model.on_forward = self.model.after_forward = None
             self.model.close()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def before_forward(self) -> None:
         """A training forward begins the step; an eval forward (no grad, or eval mode) is only a check."""
         if self.in_step:
             return
-        if torch.is_grad_enabled() and self.model is not None and self.model.training:
+        if self._training_forward():
             self.begin_step()
         else:
             self.poll()
-            self.session.rng_touched = True  # eval between steps: the next step seeds again
+
+    def after_forward(self) -> None:
+        """A training forward of the step returned: the random streams are keyed for what the script draws next
+        (train/state/streams.py: a batch prefetched during the step comes back the same after a restore)."""
+        if self.in_step and self._training_forward():
+            self.session.forward_done()
+
+    def _training_forward(self) -> bool:
+        return torch.is_grad_enabled() and self.model is not None and self.model.training
 
     def poll(self) -> None:
         """Between steps (an eval batch or forward): under a rewind, a recovery the commit left pending or a
@@ -161,7 +169,7 @@ class Guard:
         session = self.ensure_started()
         session.before_step()  # a recovery noticed after the last commit happens here
         if self._resync is not None:
-            self._put_back(self._resync)
+            session.state.put_back(self._resync)
             self._resync = None
         if loader is None:  # begun by the forward (the batch came from elsewhere): seed here, if needed
             session.seed_step()
@@ -194,29 +202,13 @@ class Guard:
             result = self.optimizer.optimizer.step(closure) if closure is not None else self.optimizer.optimizer.step()
         except CollectiveFailed as exc:
             session.end_step(exc)  # rewinds, or (started by hand) recovers in place
-            self._resync = self._hyperparameters()  # the script's scheduler.step() after this must not count
+            self._resync = session.state.hyperparameters()  # the script's scheduler.step() after this must not count
             return None
         if session.train_loader is None and self.step_loader is not None:  # before the commit: its copies and
             session.train_loader = self.step_loader  # checkpoints name the loader that drives the steps from now on
         session.end_step(None, batches)
         self.recent_loader = None
         return result
-
-    def _hyperparameters(self) -> dict:
-        session = self.session
-        extra = {k: copy.deepcopy(v.state_dict()) for k, v in session.state.extra.items()}
-        sched = session.state.scheduler
-        return {"groups": [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                           for g in self.optimizer.optimizer.param_groups],
-                "scheduler": copy.deepcopy(sched.state_dict()) if sched is not None else None, "extra": extra}
-
-    def _put_back(self, saved: dict) -> None:
-        for group, values in zip(self.optimizer.optimizer.param_groups, saved["groups"]):
-            group.update(values)
-        if saved["scheduler"] is not None:
-            self.session.state.scheduler.load_state_dict(saved["scheduler"])
-        for k, v in self.session.state.extra.items():
-            v.load_state_dict(saved["extra"][k])
 
     def _at_exit(self) -> None:
         """The last barrier, unless the script is failing: a peer that fails at the very end still gets
@@ -366,6 +358,7 @@ def start_epoch(default: int = 0) -> int:
     session = current().ensure_started()
     if not session.step:  # a fresh job: the script's own resume point (its weights were broadcast from rank 0)
         session.epoch = max(session.epoch, default)
+        session.mark_committed()
         return session.epoch
     if default:  # the script's own resume code ran, and what it loaded was just replaced
         print(f"trainguard: rank {session.rt.rank}: trainguard's restore (step {session.step}: epoch {session.epoch}, "

@@ -20,7 +20,7 @@ from ...control.reports import RestoreReport, ShardedRestoreReport
 from ...errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError, Rewind
 from ...worker.transfer import broadcast_int, recv_bytes, send_bytes
 from ..data import phase as elastic
-from ..state.train_state import TrainState, job_seed, reseed
+from ..state.train_state import TrainState, job_seed
 from .graceful import stop_on_fault
 
 log = logging.getLogger("trainguard.session")
@@ -49,7 +49,7 @@ class Recovering(Protocol):
     source: str
     user_loop: bool
     rewinds: bool  # a failure goes back to the committed step by running the script again (train/engine/rewind.py)
-    rng_touched: bool
+    streams: Any  # the keyed random streams (train/state/streams.py)
     iterator: Any
     first_step_since: float | None
 
@@ -58,6 +58,8 @@ class Recovering(Protocol):
     def take_progress(self, own: dict) -> None: ...
 
     def make_iter(self) -> Any: ...
+
+    def mark_committed(self) -> None: ...
 
 
 class Recovery:
@@ -175,13 +177,13 @@ class Recovery:
             session.phase, session.epoch, session.in_epoch = elastic.reshard(
                 session.phase, rt=rt, sampler=session.sampler, loader=session.state.loader, epoch=session.epoch,
                 in_epoch=session.in_epoch)
+            session.mark_committed()
         session.iterator = None
         if session.state.loader is not None and session.in_epoch > 0 and not session.user_loop:
             session.iterator = session.make_iter()  # creating an iterator draws from the RNG: do it before seeding
-        reseed(session.seed, rt.rank, session.step)
-        # the stream of the step after s is now where the commit of s left it in a run without a fault: the script's
-        # own draws before its next forward (a batch it makes itself) continue it, as they did there
-        session.rng_touched = False
+        session.streams.restored(session.step, session.streams.committed_forwards)
+        # the streams are now where the last training forward of step s left them in a run without a fault: what the
+        # script draws from here to its next step (a prefetched batch, an eval on one rank) comes out the same
         session.source = f"{mine.words()} ({folder})" if kind is SourceKind.DISK else mine.words()
         if live is not None:
             live.restored()  # every rank copies the step it now holds

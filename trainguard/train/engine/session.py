@@ -13,9 +13,10 @@ recovery is:
        it from a rank at s -> rebuild the gradient exchange for the new group -> go on.
 
 Nothing is copied per step. Per-rank state is reduced to nothing: the data position follows from
-the committed step, and the RNG of every rank is re-seeded at each step from (job seed, rank,
-step), so a rank's random stream at step s is known without having been saved. The job seed is
-agreed at the first start (rank 0's `torch.initial_seed()`) and travels with the state.
+the committed step, and the random streams of every rank are keyed at fixed points of each step by
+(job seed, rank, point) (train/state/streams.py), so a rank's random stream at step s is known without
+having been saved. The job seed is agreed at the first start (rank 0's `torch.initial_seed()`) and
+travels with the state, with the count of the last committed step's training forwards.
 
 The stop vote (SIGTERM, SIGINT, SIGUSR1) rides in the gradient all-reduce's control slots. What a
 failure leads to follows the recover strategy (strategies.py): recovery in process, or a
@@ -50,7 +51,8 @@ from ..parallel.sharding import is_sharded, job_mesh
 from ..state import parallel_strategy
 from ..state.checkpointing import DiskSources
 from ..state.shardckpt import ShardedSaver
-from ..state.train_state import TrainState, reseed
+from ..state.streams import Streams, bounded
+from ..state.train_state import TrainState
 from . import rewind
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .progress import ProgressEvents
@@ -79,7 +81,7 @@ class Session:
         self.step = 0  # committed steps
         self.epoch = 0
         self.in_epoch = 0
-        self.seed: int | None = None  # the job's RNG seed, agreed at the first start
+        self.streams = Streams(self.rt)  # the keyed random streams; their seed is the job's, agreed at the first start
         self.holds_state = False  # False until this process started or restored: a fresh replacement
         self.recoveries = 0
         self.restores = 0  # completed restores (a data iterator made before one is out of date)
@@ -90,7 +92,13 @@ class Session:
         # recovering in place
         self.train_loader: int | None = None  # which of the script's loaders drives the steps (by creation order)
         self.pass_ended = False  # the training loader's pass over this epoch ran to its end in this process
-        self.rng_touched = False  # something ran since the streams were seeded (eval, a restore, an epoch's end)
+        self.pass_label: int | None = None  # the set_epoch() of the training loader's pass over this epoch: a shuffle
+        # key, never a position (the script may number its epochs from 0, from 1, by steps)
+        self.pass_end: dict | None = None  # the hyperparameters as the training pass that ended the committed position
+        # left them (state.hyperparameters()): the code after an epoch's batches (a scheduler stepped per epoch) runs
+        # again when the job comes back to that position, so what a peer, a rewind or a checkpoint takes is this
+        self.committed_at: tuple[int, int, int | None] = (0, 0, None)  # (epoch, in_epoch, label) of the last commit:
+        # what a peer, a rewind or a checkpoint takes, never a pass begun since (every rank resumes at one position)
         self._pending: str | None = None  # a recovery noticed after a commit, deferred to the next step
         self._stop_pending = 0  # a stop the job voted at a commit, deferred to the next step (the user's own loop)
         self._applied = False  # the optimizer applied this step's update
@@ -154,6 +162,14 @@ class Session:
         if self.strategy.elastic and self.cfg.max_steps is None and self.state.loader is not None:
             return self.epoch >= self.cfg.epochs
         return self.step >= self.total_steps
+
+    @property
+    def seed(self) -> int | None:
+        return self.streams.seed
+
+    @seed.setter
+    def seed(self, value: int | None) -> None:
+        self.streams.seed = value
 
     def _next_batch(self):
         self.seed_step()  # before the batch is drawn: a loader's randomness is part of the step
@@ -249,8 +265,10 @@ class Session:
             self._advance(batches)
             if self.buffers is not None:
                 self.buffers.commit()
-        elif self.buffers is not None:  # the skipped step's forward moved them: back to the committed values
-            self.buffers.rollback()
+        else:
+            self.streams.skipped()
+            if self.buffers is not None:  # the skipped step's forward moved them: back to the committed values
+                self.buffers.rollback()
         if failure is None:
             try:
                 stop = self._after_commit()
@@ -278,29 +296,34 @@ class Session:
             self._recover(form=True, reason=reason)
 
     def _advance(self, batches: int = 1) -> None:
-        """This rank's state is now at the next step: count it and seed the next step's RNG. In the user's
-        own loop the epoch rolls only when the training loader starts the next one (`roll_epoch`): until
-        then the job is at the end of this epoch's training, before the code that follows it (eval)."""
+        """This rank's state is now at the next step: count it (and key the streams, where the step had no training
+        forward the guard saw: streams.py). In the user's own loop the epoch rolls only when the training loader
+        starts the next one (`roll_epoch`): until then the job is at the end of this epoch's training, before the
+        code that follows it (eval)."""
         self.step += 1
         self.in_epoch += batches
-        self.rng_touched = False
         if not self.user_loop and self.steps_per_epoch and self.in_epoch - self.phase.start >= self.steps_per_epoch:
             self.roll_epoch(self.epoch + 1)
-        reseed(self.seed, self.rt.rank, self.step)
+        self.streams.committed(self.step)
+        self.pass_end = None
+        self.mark_committed()
+
+    def mark_committed(self) -> None:
+        """The position is committed as it stands (a commit, a restore, a fresh job's first epoch)."""
+        self.committed_at = (self.epoch, self.in_epoch, self.pass_label)
 
     def roll_epoch(self, epoch: int) -> None:
-        self.epoch, self.in_epoch, self.iterator, self.pass_ended = epoch, 0, None, False
-        self.rng_touched = True  # the code after an epoch's batches ran (or, after a restore, was skipped)
+        self.epoch, self.in_epoch, self.iterator, self.pass_ended, self.pass_label = epoch, 0, None, False, None
         self.phase = elastic.Phase(shards=self.rt.world_size)
 
     def seed_step(self) -> None:
-        """Seed the step about to run from (job seed, rank, step) again if anything ran since its commit that a
-        run coming back to this step may not run again (an eval pass, the code after an epoch, a restore): a
-        step's randomness is then the same in every run that reaches it. Only then: seeding at every step's
-        start, after its batch was drawn, cost 70-150 page faults a step at 5M parameters (bench/overhead.py)."""
-        if self.rng_touched:
-            self.rng_touched = False
-            reseed(self.seed, self.rt.rank, self.step)
+        """The step about to run begins: its streams are keyed (streams.py), so its randomness is the same in every
+        run that reaches it, whatever ran since the last commit (an eval pass, the code after an epoch)."""
+        self.streams.step_begins(self.step)
+
+    def forward_done(self) -> None:
+        """A training forward of the step in flight returned: the streams are keyed for what follows it."""
+        self.streams.forward_done(self.step)
 
     def _after_commit(self) -> int:
         """Events and callbacks of a committed step; returns the stop vote (a signal number or 0)."""
@@ -323,7 +346,8 @@ class Session:
         return stop
 
     def progress(self) -> dict:
-        progress = {"step": self.step, "epoch": self.epoch, "in_epoch": self.in_epoch}
+        epoch, in_epoch, _ = self.committed_at
+        progress = {"step": self.step, "epoch": epoch, "in_epoch": in_epoch}
         if self.strategy.elastic:
             progress.update(self.phase.as_dict(self.rt.world_size))
         return progress
@@ -331,25 +355,27 @@ class Session:
     def capture(self) -> Snapshot:
         """A private copy of the committed state, for a checkpoint (the copy is all an async save blocks on).
         Data-parallel ranks hold the same state and progress, so every rank's part is the same."""
-        tensors, meta = flatten_state(self.state.capture_shared(), copy=True)
+        tensors, meta = flatten_state(self.state.capture_shared(self.pass_end), copy=True)
         own = pack(self.own())
         return Snapshot(self.step, tensors, meta, own, ranks=dict.fromkeys(range(self.rt.world_size), own))
 
     def own(self) -> dict:
         """What a peer or a checkpoint needs besides the objects' states: the position, the job's seed, and
         which of the script's loaders drives the steps."""
-        own = {"progress": self.progress(), "seed": self.seed}
+        own = {"progress": self.progress(), "seed": self.seed, "forwards": self.streams.committed_forwards}
+        if self.committed_at[2] is not None:
+            own["label"] = self.committed_at[2]
         if self.train_loader is not None:
             own["loader"] = self.train_loader
         return own
 
     def pack_live(self) -> bytes:
         """This rank's committed state, as sent to a peer (and kept across a rewind)."""
-        return pack({"shared": self.state.capture_shared(), "own": self.own()})
+        return pack({"shared": self.state.capture_shared(self.pass_end), "own": self.own()})
 
     def flat_live(self) -> tuple[dict, dict]:
         """`pack_live`'s content flattened, its tensors the live ones (an in-memory copy clones them)."""
-        return flatten_state({"shared": self.state.capture_shared(), "own": self.own()}, copy=False)
+        return flatten_state({"shared": self.state.capture_shared(self.pass_end), "own": self.own()}, copy=False)
 
     def take_blob(self, blob: bytes, what: str) -> None:
         """Load a committed state packed by `pack_live` (a peer's, a kept one, an in-memory copy)."""
@@ -395,3 +421,6 @@ class Session:
             self.seed = int(own["seed"])
         elif self.seed is None:  # a checkpoint from before seeds were saved
             self.seed = 0
+        self.streams.committed_forwards = bounded(own, "forwards", 1 << 31, 0)  # before it travelled: 0
+        self.pass_label, self.pass_ended, self.pass_end = bounded(own, "label", 1 << 63, None), False, None
+        self.mark_committed()

@@ -61,6 +61,7 @@ class DataParallel(nn.Module):
         object.__setattr__(self, "buffer_guard", BufferGuard(buffers))
         object.__setattr__(self, "group", None)
         self.on_forward: Callable[[], None] | None = None  # the guard starts the job on first use (train/engine/guard.py)
+        self.after_forward: Callable[[], None] | None = None  # and keys the random streams after a training forward
         DataParallel.instances.add(self)
 
     def rebuild(self, group: dist.ProcessGroup) -> None:
@@ -82,6 +83,30 @@ class DataParallel(nn.Module):
         """As DDP's: gradients accumulate locally until the next backward outside the block."""
         return self.sync.no_sync()
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """As DDP's attribute (nanoGPT sets it per micro-step): False makes the backwards that follow accumulate
+        locally, True makes the next one exchange the sum. `no_sync()` sets it for its block."""
+        return self.sync.enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.sync.enabled = bool(value)
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Refused, by name: the exchange's bits depend on its fixed layout and full precision (gradsync.py), which a
+        hook (fp16/bf16 compression, PowerSGD) would change between a run and its recovery."""
+        raise ConfigError(f"DDP.register_comm_hook({getattr(hook, '__name__', hook)!r}) is not supported by "
+                          "trainguard.DDP: its gradient exchange is a fixed-layout all-reduce in the gradients' own "
+                          "dtype, which is what keeps a recovered run bit-identical. Remove the call (train in "
+                          "bf16 autocast to halve the compute instead)")
+
+    def join(self, *args, **kwargs):
+        """Refused: uneven inputs would leave ranks at different steps, which a recovery cannot agree on."""
+        raise ConfigError("DDP.join() (uneven inputs) is not supported by trainguard.DDP: every rank must take the "
+                          "same number of steps. Use trainguard.DistributedSampler (it pads every rank's share to "
+                          "the same length) or drop_last=True")
+
     def broadcast_from(self, src: int, group: dist.ProcessGroup) -> None:
         """Every rank takes `src`'s parameters and buffers (a fresh job's start)."""
         broadcast_module(self.module, src, group)
@@ -89,7 +114,10 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         if self.on_forward is not None:
             self.on_forward()
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self.after_forward is not None:
+            self.after_forward()
+        return out
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

@@ -4,24 +4,22 @@
 hold in common (model, optimizer, LR scheduler, extras). With a sharded model (`sharded`: FSDP2,
 HSDP, DP x TP) the model and optimizer are this rank's part instead, as local tensors
 (train/state/shardstate.py), and the rest is as before. Nothing is each rank's own: the random
-streams are re-seeded at every step from (job seed, rank, step) by `reseed`.
+streams are keyed by (job seed, rank, a point of the step) (train/state/streams.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from ...errors import ConfigError
 from . import shardstate
+from .streams import SEED_RANGE
 
-SEED_RANGE = 1 << 63
 
 
 @dataclass(kw_only=True)
@@ -33,19 +31,41 @@ class TrainState:
     extra: dict[str, Any] = field(default_factory=dict)  # more objects with state_dict()/load_state_dict()
     sharded: bool = False  # the model holds DTensors: model and optimizer are this rank's part (train/parallel/sharding.py)
 
-    def capture_shared(self) -> dict:
-        """The objects' states; the tensors are the live ones (a caller that keeps them copies them)."""
+    def capture_shared(self, at: dict | None = None) -> dict:
+        """The objects' states; the tensors are the live ones (a caller that keeps them copies them). `at`: the
+        `hyperparameters()` of the position being captured, where the script has moved them on since."""
         if self.sharded:
             out: dict[str, Any] = {"part": shardstate.capture(self.model, self.optimizer, copy=False)}
         else:
             out = {"model": self.model.state_dict()}
             if self.optimizer is not None:
                 out["optimizer"] = self.optimizer.state_dict()
+                if at is not None:
+                    groups = out["optimizer"]["param_groups"]
+                    out["optimizer"]["param_groups"] = [{**g, **saved} for g, saved in zip(groups, at["groups"])]
         if self.scheduler is not None:
-            out["scheduler"] = self.scheduler.state_dict()
+            out["scheduler"] = self.scheduler.state_dict() if at is None else at["scheduler"]
         if self.extra:
-            out["extra"] = {k: v.state_dict() for k, v in self.extra.items()}
+            out["extra"] = {k: v.state_dict() for k, v in self.extra.items()} if at is None else at["extra"]
         return out
+
+    def hyperparameters(self) -> dict:
+        """A copy of what the script's code between steps moves: the param groups' values (the LR), the scheduler's
+        and the extras' states (not the tensors of the model and the optimizer, which only a commit changes)."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return {"groups": [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups],
+                "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+                "extra": {k: copy.deepcopy(v.state_dict()) for k, v in self.extra.items()}}
+
+    def put_back(self, saved: dict) -> None:
+        """Set what `hyperparameters()` copied."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        for group, values in zip(groups, saved["groups"]):
+            group.update(values)
+        if saved["scheduler"] is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        for k, v in self.extra.items():
+            v.load_state_dict(saved["extra"][k])
 
     def load_shared(self, shared: dict) -> None:
         if self.sharded != ("part" in shared):
@@ -73,27 +93,3 @@ class TrainState:
 def job_seed() -> int:
     """This process's candidate for the job's seed: what the script seeded torch with (or torch's own)."""
     return torch.initial_seed() % SEED_RANGE
-
-
-def step_seed(seed: int, rank: int, step: int) -> int:
-    """The seed of `rank`'s random streams for the step after `step` committed ones (pure)."""
-    digest = hashlib.blake2b(f"{seed}:{rank}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % SEED_RANGE
-
-
-def reseed(seed: int | None, rank: int, step: int) -> None:
-    """Seed Python's, NumPy's, torch's (and CUDA's) global random streams for the next step, so that a
-    rank's randomness at step s is known without saving it: a replacement, a lagging rank and a rerun
-    all draw what an uninterrupted run draws. About 15 us."""
-    if seed is None:
-        return
-    seed_streams(step_seed(seed, rank, step))
-
-
-def seed_streams(s: int) -> None:
-    """Seed Python's, NumPy's, torch's (and CUDA's, once initialised) global random streams with `s`."""
-    random.seed(s)
-    np.random.seed(s % (1 << 32))
-    torch.default_generator.manual_seed(s)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.manual_seed(s)

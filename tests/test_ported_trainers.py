@@ -1,0 +1,101 @@
+"""Trainers written the way other people write them, ported by imports and a line or two (tests/jobs/*_torchrun.py
+are the originals), under `trainguard run` with 3 ranks:
+
+- mingpt.py: pytorch/examples' minGPT-ddp shape. Its loop numbers epochs from 1 (`epoch += 1`, then
+  `set_epoch(epoch)`), steps a StepLR after each epoch's pass, evaluates with an `all_reduce` after it, and rank 0
+  saves its own snapshot, which every rank loads when the script runs again. Kill -9 right after an epoch's last
+  step, mid-epoch, and inside the test pass's all_reduce: every tensor of every rank is `torch.equal` to an
+  uninterrupted run, and so are the test losses.
+- stream.py: an IterableDataset stream with two loader workers under the training loader: refused at its first
+  steps with a ConfigError (exit 78), not at the first fault.
+- torchrun_env.py: reads torchrun's variables before any trainguard call; a replacement sees the values a
+  torchrun restart gives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import REPO, env, events
+from test_nanogpt import tensors
+
+from trainguard.exitcodes import EXIT_CONFIG_ERROR
+
+pytestmark = pytest.mark.timeout(300)
+
+JOBS = REPO / "tests" / "jobs"
+WORKERS = 3
+TEST_LOSS = re.compile(r"Epoch \d+ \| test loss \S+")
+
+
+def run(script: str, out: Path, args: list[str], faults: str = "", **extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(WORKERS), "--recovery-path",
+           str(out / "recovery"), "--hot-spares", "1" if "kill" in faults or extra else "0", str(JOBS / script), *args]
+    proc = subprocess.run(cmd, cwd=out, env=env(TG_FAULT=faults, **extra), capture_output=True, text=True,
+                          timeout=240)
+    (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return proc
+
+
+def mingpt(out: Path, faults: str = "", **extra: str) -> tuple[list[dict], list[str]]:
+    proc = run("mingpt.py", out, ["--snapshot-path", str(out / "snapshot.pt"), "--final-out", str(out / "final")],
+               faults, **extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    states = [dict(tensors(torch.load(out / f"final_rank{r}.pt", weights_only=True))) for r in range(WORKERS)]
+    return states, list(dict.fromkeys(TEST_LOSS.findall(proc.stdout)))
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    states, losses = mingpt(tmp_path_factory.mktemp("uninterrupted"))
+    assert len(losses) == 4 and len(set(losses)) == 4, losses  # 4 epochs, each trained
+    return states, losses
+
+
+@pytest.mark.parametrize("faults, collective", [
+    ("1:32:kill", ""),  # right after epoch 1's last step (32 steps an epoch): its StepLR step, snapshot, test pass
+    ("2:45:kill", ""),  # in the middle of epoch 2
+    ("", "0:all_reduce:2"),  # rank 0 inside epoch 2's test-pass all_reduce
+])
+def test_mingpt_epochs_from_1_kill_9_is_bit_identical(tmp_path, baseline, faults, collective):
+    extra = {"TG_FAULT_COLLECTIVE": collective} if collective else {}
+    states, losses = mingpt(tmp_path, faults, **extra)
+    assert [e for e in events(tmp_path) if e["event"] == "fault_injected"], "the fault did not fire"
+    for r, (got, want) in enumerate(zip(states, baseline[0])):
+        differ = [k for k in want if not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor)
+                                          else got[k] == want[k])]
+        assert not differ, f"rank {r}: {len(differ)} of {len(want)} differ, e.g. {differ[:5]}"
+    assert losses == baseline[1]
+
+
+def test_a_stream_under_the_training_loader_is_refused_at_its_first_steps(tmp_path):
+    proc = run("stream.py", tmp_path, ["--ckpt", str(tmp_path / "ckpt.pt"), "--num-workers", "2"])
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "reads an IterableDataset (a stream)" in proc.stderr and "DistributedSampler" in proc.stderr
+    steps = [e["step"] for e in events(tmp_path) if e["event"] == "progress"]
+    assert "back to step" not in proc.stdout + proc.stderr  # no rank ran the script again: nothing was retried
+    assert max(steps, default=0) <= 2, steps  # at the first commit, not hours later
+
+
+def test_torchrun_environment_before_the_script_and_after_a_replacement(tmp_path):
+    proc = run("torchrun_env.py", tmp_path, [str(tmp_path)], "1:3:kill")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(WORKERS):
+        seen = [json.loads(line) for line in (tmp_path / f"env_{rank}.jsonl").read_text().splitlines()]
+        first = seen[0]
+        assert (first["RANK"], first["ROLE_RANK"], first["LOCAL_RANK"]) == (str(rank),) * 3
+        assert (first["WORLD_SIZE"], first["LOCAL_WORLD_SIZE"], first["GROUP_RANK"]) == ("3", "3", "0")
+        assert first["MASTER_ADDR"] and first["MASTER_PORT"].isdigit()
+        for later in seen[1:]:  # a rewind (same pid) or the replacement: what a torchrun restart gives
+            replaced = later["pid"] != first["pid"]
+            assert later["TORCHELASTIC_RESTART_COUNT"] == ("1" if replaced else "0")
+            assert {k: v for k, v in later.items() if k not in ("pid", "TORCHELASTIC_RESTART_COUNT")} == \
+                   {k: v for k, v in first.items() if k not in ("pid", "TORCHELASTIC_RESTART_COUNT")}
+    replacement = [json.loads(line)["pid"] for line in (tmp_path / "env_1.jsonl").read_text().splitlines()]
+    assert len(set(replacement)) == 2  # rank 1 was replaced

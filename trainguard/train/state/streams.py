@@ -1,0 +1,106 @@
+"""The rule for randomness: where a rank's global random streams are keyed, and what a restore sets them to.
+
+A script draws from Python's, NumPy's and torch's (and CUDA's) global generators anywhere: dropout in a
+forward, a random batch (`torch.randint` offsets), a batch drawn during the step for the next one (a
+prefetch), an eval on one rank between steps, a loader iterator's base seed. Saving those states per rank
+would need a collective per step and dies with the rank. Instead the streams are *keyed*: at fixed points
+of every step they are seeded from (job seed, rank, a point of the step), so the stream at any point is a
+function of where the rank is, known to a replacement without having been saved.
+
+The points (`k` = committed steps before the step; `m` = its training forwards so far):
+
+- the step begins (its first training batch from a trainguard loader, or its first training forward):
+  key ``k``;
+- a training forward (the model in train mode, grad enabled) returns: key ``k/m``;
+- a step commits without a training forward the guard saw (the Session API, a model trainguard does not
+  wrap): key ``k+1/c``;
+- a restore to committed step ``c`` sets the streams as the end of step ``c``'s last training forward left
+  them: key ``c-1/M`` (``M``, that step's forwards, travels with the state), or ``c/c`` where the step had
+  none; a fresh start (``c`` = 0): key ``start``.
+
+So whatever the script draws after a step's last forward and before the next step begins (a prefetch,
+the optimizer, the code after the step, an eval on one rank, a loader's next pass) comes from key ``k/M``
+in the run without a fault and in every run that comes back to step ``c``: the script, run again from
+the top, passes `start_step()` (the restore), then draws the same numbers in the same order. What the
+script drew before the restore (its model's initialisation, a value drawn before `start_step()` and kept)
+is not covered: it is redrawn from the script's own seed, or from another stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+import torch
+
+from ...errors import CheckpointCorrupt
+
+SEED_RANGE = 1 << 63
+START = "start"
+
+
+def key_seed(seed: int, rank: int, point: str) -> int:
+    """The seed of `rank`'s streams at `point` (pure)."""
+    digest = hashlib.blake2b(f"{seed}:{rank}:{point}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_RANGE
+
+
+def seed_streams(s: int) -> None:
+    """Seed Python's, NumPy's, torch's (and CUDA's, once initialised) global random streams with `s`."""
+    random.seed(s)
+    np.random.seed(s % (1 << 32))
+    torch.default_generator.manual_seed(s)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed(s)
+
+
+def restore_point(step: int, forwards: int) -> str:
+    """The key a restore to committed step `step` sets (pure); see the module docstring."""
+    if step == 0:
+        return START
+    return f"{step - 1}/{forwards}" if forwards else f"{step}/c"
+
+
+def bounded(own: dict, key: str, limit: int, default):
+    """`own[key]` from a restored state (untrusted: a peer's, a checkpoint's): an int in 0..limit-1, else
+    CheckpointCorrupt; `default` where it is absent."""
+    value = own.get(key, default)
+    if value is not default and (type(value) is not int or not 0 <= value < limit):
+        raise CheckpointCorrupt(f"the restored state's {key!r} must be an int in 0..{limit - 1}, got {value!r}")
+    return value
+
+
+class Streams:
+    """One rank's keyed streams: the session calls it at the points of the module docstring."""
+
+    def __init__(self, rt):
+        self.seed: int | None = None  # the job's seed; None: nothing is keyed (before the job agreed on one)
+        self.rt = rt  # the worker runtime: its rank is this generation's
+        self.forwards = 0  # training forwards of the step in flight
+        self.committed_forwards = 0  # training forwards of the last committed step (travels with the state)
+
+    def _seed(self, point: str) -> None:
+        if self.seed is not None:
+            seed_streams(key_seed(self.seed, self.rt.rank, point))
+
+    def step_begins(self, step: int) -> None:
+        self.forwards = 0
+        self._seed(str(step))
+
+    def forward_done(self, step: int) -> None:
+        self.forwards += 1
+        self._seed(f"{step}/{self.forwards}")
+
+    def committed(self, step: int) -> None:
+        """`step` is the new count of committed steps."""
+        self.committed_forwards, self.forwards = self.forwards, 0
+        if not self.committed_forwards:
+            self._seed(f"{step}/c")
+
+    def skipped(self) -> None:
+        self.forwards = 0
+
+    def restored(self, step: int, forwards: int) -> None:
+        self.committed_forwards, self.forwards = forwards, 0
+        self._seed(restore_point(step, forwards))
