@@ -368,16 +368,17 @@ def worker_env(base: Mapping[str, str], spec: LaunchSpec, index: int, *, node_id
     return env
 
 
-def torchrun_env(spec: LaunchSpec, rank: int, index: int, restarts: int = 0) -> dict[str, str]:
+def torchrun_env(spec: LaunchSpec, rank: int, index: int) -> dict[str, str]:
     """What torchrun sets before a worker's script starts, for scripts (and frameworks) that read it first. A
     node id of `trainguard run` is its fixed rank; `init()` sets RANK and WORLD_SIZE to each generation's values
     (the same, unless `elastic` shrank the job). MASTER_ADDR/MASTER_PORT name the scheduler: a script's own
-    `init_process_group()` joins trainguard's group and opens no store there (worker/pginit.py)."""
+    `init_process_group()` joins trainguard's group and opens no store there (worker/pginit.py). A restart sets its
+    own TORCHELASTIC_RESTART_COUNT (agent.py)."""
     return {"RANK": str(rank), "WORLD_SIZE": str(spec.world_size), "LOCAL_RANK": str(index),
             "LOCAL_WORLD_SIZE": str(spec.nproc_per_node), "GROUP_RANK": str(spec.node_rank),
             "GROUP_WORLD_SIZE": str(spec.nnodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(spec.world_size),
             "ROLE_NAME": "default", "MASTER_ADDR": spec.sched_host, "MASTER_PORT": str(spec.sched_port),
-            TORCHELASTIC_RESTART_COUNT: str(restarts)}
+            TORCHELASTIC_RESTART_COUNT: "0"}
 
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

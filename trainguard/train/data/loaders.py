@@ -46,7 +46,7 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
         if guard is None:  # not training under a guard: a plain loader
             return super().__iter__()
         session = guard.ensure_started()
-        seed_loader_samples(self, sharded_sampler(self), session.seed)  # random draws in workers (loaderseed.py)
+        seed_loader_samples(self, sharded_sampler(self), session.streams.seed)  # random draws in workers (loaderseed.py)
         if session.train_loader != self.tg_index:
             return _OtherBatches(self, guard)
         refuse_unresumable(self)
@@ -78,7 +78,7 @@ class _OtherBatches:
             batch = next(self.it)
         except StopIteration:
             if trains and session.in_epoch >= len(self.loader):
-                end_pass(session)  # its next pass begins the next epoch
+                session.passes.end(session.state)  # its next pass begins the next epoch
             raise
         self.guard.training_batch(self.loader.tg_index)
         return batch
@@ -92,9 +92,9 @@ class _TrainingBatches:
         session = guard.session
         self.restores = session.restores
         sampler, steps = loader.sampler, len(loader)
-        if session.in_epoch >= steps and session.pass_ended:
+        if session.in_epoch >= steps and session.passes.ended:
             session.roll_epoch(session.epoch + 1)  # the next epoch's pass begins (set_epoch's number is only its label)
-        begin_pass(session, sampler.epoch)
+        session.passes.begin(sampler.epoch, step=session.step, epoch=session.epoch, in_epoch=session.in_epoch)
         self.it = self._from_position()
 
     def _from_position(self):
@@ -112,39 +112,17 @@ class _TrainingBatches:
             self.restores = session.restores
             self.it = self._from_position()
         if not guard.in_step:  # the step's first batch (gradient accumulation takes several)
-            session.seed_step()  # a batch drawn with randomness (augmentation) draws the same in every run
+            session.streams.step_begins(session.step)  # a batch drawn with randomness (augmentation) draws the same
         try:
             batch = next(self.it)
         except StopIteration:
             if session.in_epoch >= len(self.loader):
-                end_pass(session)
+                session.passes.end(session.state)
             raise
         guard.fetched += 1
         if not guard.in_step:
             guard.begin_step(batch, loader=self.loader.tg_index)
         return batch
-
-
-def end_pass(session) -> None:
-    """The training loader's pass over the committed epoch ran to its end: the next pass begins the next epoch, and
-    the hyperparameters as they are now are those of the committed position (the session's `pass_end`)."""
-    if not session.pass_ended:
-        session.pass_ended = True
-        session.pass_end = session.state.hyperparameters()
-
-
-def begin_pass(session, label: int) -> None:
-    """The training loader starts a pass shuffled with `label` (its set_epoch, a label, never a position): the first
-    one of the epoch names it; one that differs from the label the restored position's pass had means the script's
-    loop resumed at another epoch than the job (ConfigError)."""
-    if session.pass_label is None:
-        session.pass_label = label
-    elif label != session.pass_label:
-        raise ConfigError(
-            f"this process resumed at step {session.step}, in epoch {session.epoch} of the job (batch "
-            f"{session.in_epoch}), whose pass the loop shuffled with set_epoch({session.pass_label}), but the loop now "
-            f"calls set_epoch({label}): start the epoch loop where the job is, "
-            "`for epoch in range(trainguard.start_epoch(), epochs)`, and number its epochs as before")
 
 
 def refuse_unresumable(loader: DataLoader) -> None:

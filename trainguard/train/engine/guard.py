@@ -150,7 +150,7 @@ class Guard:
         """A training forward of the step returned: the random streams are keyed for what the script draws next
         (train/state/streams.py: a batch prefetched during the step comes back the same after a restore)."""
         if self.in_step and self._training_forward():
-            self.session.forward_done()
+            self.session.streams.forward_done(self.session.step)
 
     def _training_forward(self) -> bool:
         return torch.is_grad_enabled() and self.model is not None and self.model.training
@@ -171,8 +171,8 @@ class Guard:
         if self._resync is not None:
             session.state.put_back(self._resync)
             self._resync = None
-        if loader is None:  # begun by the forward (the batch came from elsewhere): seed here, if needed
-            session.seed_step()
+        if loader is None:  # begun by the forward (the batch came from elsewhere): key the streams here
+            session.streams.step_begins(session.step)
         session.begin_step(batch)
         self.in_step = True
         self.step_loader = loader if loader is not None else self.recent_loader
@@ -358,7 +358,7 @@ def start_epoch(default: int = 0) -> int:
     session = current().ensure_started()
     if not session.step:  # a fresh job: the script's own resume point (its weights were broadcast from rank 0)
         session.epoch = max(session.epoch, default)
-        session.mark_committed()
+        session.passes.commit(session.epoch, session.in_epoch)
         return session.epoch
     if default:  # the script's own resume code ran, and what it loaded was just replaced
         print(f"trainguard: rank {session.rt.rank}: trainguard's restore (step {session.step}: epoch {session.epoch}, "

@@ -42,14 +42,14 @@ class Recovering(Protocol):
     step: int
     epoch: int
     in_epoch: int
-    seed: int | None
     holds_state: bool
     recoveries: int
     restores: int
     source: str
     user_loop: bool
     rewinds: bool  # a failure goes back to the committed step by running the script again (train/engine/rewind.py)
-    streams: Any  # the keyed random streams (train/state/streams.py)
+    streams: Any  # the keyed random streams and the job's seed (train/state/streams.py)
+    passes: Any  # the training loader's passes and the committed position (train/data/passes.py)
     iterator: Any
     first_step_since: float | None
 
@@ -58,8 +58,6 @@ class Recovering(Protocol):
     def take_progress(self, own: dict) -> None: ...
 
     def make_iter(self) -> Any: ...
-
-    def mark_committed(self) -> None: ...
 
 
 class Recovery:
@@ -155,7 +153,7 @@ class Recovery:
         elif kind is SourceKind.INIT:  # a fresh job: everyone starts from rank 0's parameters and seed
             if session.sync is not None:
                 session.state.model.broadcast_from(0, rt.group)
-            session.seed = broadcast_int(job_seed(), 0, rt.group)
+            session.streams.seed = broadcast_int(job_seed(), 0, rt.group)
         serve = decision.served_by(rt.rank) if live is None else []
         if serve:
             blob = session.pack_live()
@@ -177,11 +175,11 @@ class Recovery:
             session.phase, session.epoch, session.in_epoch = elastic.reshard(
                 session.phase, rt=rt, sampler=session.sampler, loader=session.state.loader, epoch=session.epoch,
                 in_epoch=session.in_epoch)
-            session.mark_committed()
+            session.passes.commit(session.epoch, session.in_epoch)
         session.iterator = None
         if session.state.loader is not None and session.in_epoch > 0 and not session.user_loop:
             session.iterator = session.make_iter()  # creating an iterator draws from the RNG: do it before seeding
-        session.streams.restored(session.step, session.streams.committed_forwards)
+        session.streams.restored(session.step)
         # the streams are now where the last training forward of step s left them in a run without a fault: what the
         # script draws from here to its next step (a prefetched batch, an eval on one rank) comes out the same
         session.source = f"{mine.words()} ({folder})" if kind is SourceKind.DISK else mine.words()

@@ -37,6 +37,7 @@ from ...worker import runtime as rt_mod
 from ...worker.transfer import all_max, all_max_each
 from ..data import phase as elastic
 from ..data.loaderseed import seed_loader_samples
+from ..data.passes import Passes
 from ..data.sampler import sampler_of
 from ...errors import (
     CollectiveFailed,
@@ -51,8 +52,8 @@ from ..parallel.sharding import is_sharded, job_mesh
 from ..state import parallel_strategy
 from ..state.checkpointing import DiskSources
 from ..state.shardckpt import ShardedSaver
-from ..state.streams import Streams, bounded
-from ..state.train_state import TrainState
+from ..state.streams import Streams
+from ..state.train_state import TrainState, bounded
 from . import rewind
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .progress import ProgressEvents
@@ -91,14 +92,7 @@ class Session:
         self.rewinds = False  # a fault sends the script back to its committed step (train/engine/rewind.py) instead of
         # recovering in place
         self.train_loader: int | None = None  # which of the script's loaders drives the steps (by creation order)
-        self.pass_ended = False  # the training loader's pass over this epoch ran to its end in this process
-        self.pass_label: int | None = None  # the set_epoch() of the training loader's pass over this epoch: a shuffle
-        # key, never a position (the script may number its epochs from 0, from 1, by steps)
-        self.pass_end: dict | None = None  # the hyperparameters as the training pass that ended the committed position
-        # left them (state.hyperparameters()): the code after an epoch's batches (a scheduler stepped per epoch) runs
-        # again when the job comes back to that position, so what a peer, a rewind or a checkpoint takes is this
-        self.committed_at: tuple[int, int, int | None] = (0, 0, None)  # (epoch, in_epoch, label) of the last commit:
-        # what a peer, a rewind or a checkpoint takes, never a pass begun since (every rank resumes at one position)
+        self.passes = Passes()  # the training loader's passes: their labels, and the position at the last commit
         self._pending: str | None = None  # a recovery noticed after a commit, deferred to the next step
         self._stop_pending = 0  # a stop the job voted at a commit, deferred to the next step (the user's own loop)
         self._applied = False  # the optimizer applied this step's update
@@ -151,7 +145,7 @@ class Session:
         if self.strategy.elastic:  # this generation's sharding of the rest of the epoch
             self.sampler.set_phase(self.phase.base, self.rt.world_size, self.rt.rank)
         self.sampler.set_position((self.in_epoch - self.phase.start) * self.state.loader.batch_size)
-        seed_loader_samples(self.state.loader, self.sampler, self.seed)  # random draws in loader workers
+        seed_loader_samples(self.state.loader, self.sampler, self.streams.seed)  # random draws in loader workers
         return iter(self.state.loader)
 
     def done(self) -> bool:
@@ -163,16 +157,8 @@ class Session:
             return self.epoch >= self.cfg.epochs
         return self.step >= self.total_steps
 
-    @property
-    def seed(self) -> int | None:
-        return self.streams.seed
-
-    @seed.setter
-    def seed(self, value: int | None) -> None:
-        self.streams.seed = value
-
     def _next_batch(self):
-        self.seed_step()  # before the batch is drawn: a loader's randomness is part of the step
+        self.streams.step_begins(self.step)  # before the batch is drawn: a loader's randomness is part of the step
         if self.state.loader is None:
             return None
         if self.iterator is None:
@@ -305,25 +291,12 @@ class Session:
         if not self.user_loop and self.steps_per_epoch and self.in_epoch - self.phase.start >= self.steps_per_epoch:
             self.roll_epoch(self.epoch + 1)
         self.streams.committed(self.step)
-        self.pass_end = None
-        self.mark_committed()
-
-    def mark_committed(self) -> None:
-        """The position is committed as it stands (a commit, a restore, a fresh job's first epoch)."""
-        self.committed_at = (self.epoch, self.in_epoch, self.pass_label)
+        self.passes.commit(self.epoch, self.in_epoch)
 
     def roll_epoch(self, epoch: int) -> None:
-        self.epoch, self.in_epoch, self.iterator, self.pass_ended, self.pass_label = epoch, 0, None, False, None
+        self.epoch, self.in_epoch, self.iterator = epoch, 0, None
+        self.passes.roll()
         self.phase = elastic.Phase(shards=self.rt.world_size)
-
-    def seed_step(self) -> None:
-        """The step about to run begins: its streams are keyed (streams.py), so its randomness is the same in every
-        run that reaches it, whatever ran since the last commit (an eval pass, the code after an epoch)."""
-        self.streams.step_begins(self.step)
-
-    def forward_done(self) -> None:
-        """A training forward of the step in flight returned: the streams are keyed for what follows it."""
-        self.streams.forward_done(self.step)
 
     def _after_commit(self) -> int:
         """Events and callbacks of a committed step; returns the stop vote (a signal number or 0)."""
@@ -346,7 +319,7 @@ class Session:
         return stop
 
     def progress(self) -> dict:
-        epoch, in_epoch, _ = self.committed_at
+        epoch, in_epoch, _ = self.passes.committed
         progress = {"step": self.step, "epoch": epoch, "in_epoch": in_epoch}
         if self.strategy.elastic:
             progress.update(self.phase.as_dict(self.rt.world_size))
@@ -355,27 +328,27 @@ class Session:
     def capture(self) -> Snapshot:
         """A private copy of the committed state, for a checkpoint (the copy is all an async save blocks on).
         Data-parallel ranks hold the same state and progress, so every rank's part is the same."""
-        tensors, meta = flatten_state(self.state.capture_shared(self.pass_end), copy=True)
+        tensors, meta = flatten_state(self.state.capture_shared(self.passes.end_state), copy=True)
         own = pack(self.own())
         return Snapshot(self.step, tensors, meta, own, ranks=dict.fromkeys(range(self.rt.world_size), own))
 
     def own(self) -> dict:
         """What a peer or a checkpoint needs besides the objects' states: the position, the job's seed, and
         which of the script's loaders drives the steps."""
-        own = {"progress": self.progress(), "seed": self.seed, "forwards": self.streams.committed_forwards}
-        if self.committed_at[2] is not None:
-            own["label"] = self.committed_at[2]
+        own = {"progress": self.progress(), "seed": self.streams.seed, "forwards": self.streams.committed_forwards}
+        if self.passes.committed[2] is not None:
+            own["label"] = self.passes.committed[2]
         if self.train_loader is not None:
             own["loader"] = self.train_loader
         return own
 
     def pack_live(self) -> bytes:
         """This rank's committed state, as sent to a peer (and kept across a rewind)."""
-        return pack({"shared": self.state.capture_shared(self.pass_end), "own": self.own()})
+        return pack({"shared": self.state.capture_shared(self.passes.end_state), "own": self.own()})
 
     def flat_live(self) -> tuple[dict, dict]:
         """`pack_live`'s content flattened, its tensors the live ones (an in-memory copy clones them)."""
-        return flatten_state({"shared": self.state.capture_shared(self.pass_end), "own": self.own()}, copy=False)
+        return flatten_state({"shared": self.state.capture_shared(self.passes.end_state), "own": self.own()}, copy=False)
 
     def take_blob(self, blob: bytes, what: str) -> None:
         """Load a committed state packed by `pack_live` (a peer's, a kept one, an in-memory copy)."""
@@ -418,9 +391,9 @@ class Session:
             self.train_loader = int(own["loader"])
         self.phase = elastic.Phase.of(progress, self.rt.world_size)
         if own.get("seed") is not None:
-            self.seed = int(own["seed"])
-        elif self.seed is None:  # a checkpoint from before seeds were saved
-            self.seed = 0
+            self.streams.seed = int(own["seed"])
+        elif self.streams.seed is None:  # a checkpoint from before seeds were saved
+            self.streams.seed = 0
         self.streams.committed_forwards = bounded(own, "forwards", 1 << 31, 0)  # before it travelled: 0
-        self.pass_label, self.pass_ended, self.pass_end = bounded(own, "label", 1 << 63, None), False, None
-        self.mark_committed()
+        self.passes.restore(bounded(own, "label", 1 << 63, None))
+        self.passes.commit(self.epoch, self.in_epoch)

@@ -34,8 +34,6 @@ import random
 import numpy as np
 import torch
 
-from ...errors import CheckpointCorrupt
-
 SEED_RANGE = 1 << 63
 START = "start"
 
@@ -60,15 +58,6 @@ def restore_point(step: int, forwards: int) -> str:
     if step == 0:
         return START
     return f"{step - 1}/{forwards}" if forwards else f"{step}/c"
-
-
-def bounded(own: dict, key: str, limit: int, default):
-    """`own[key]` from a restored state (untrusted: a peer's, a checkpoint's): an int in 0..limit-1, else
-    CheckpointCorrupt; `default` where it is absent."""
-    value = own.get(key, default)
-    if value is not default and (type(value) is not int or not 0 <= value < limit):
-        raise CheckpointCorrupt(f"the restored state's {key!r} must be an int in 0..{limit - 1}, got {value!r}")
-    return value
 
 
 class Streams:
@@ -101,6 +90,7 @@ class Streams:
     def skipped(self) -> None:
         self.forwards = 0
 
-    def restored(self, step: int, forwards: int) -> None:
-        self.committed_forwards, self.forwards = forwards, 0
-        self._seed(restore_point(step, forwards))
+    def restored(self, step: int) -> None:
+        """Restored to committed step `step`, whose training forwards are `committed_forwards`."""
+        self.forwards = 0
+        self._seed(restore_point(step, self.committed_forwards))

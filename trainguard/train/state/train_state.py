@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import ConfigError
+from ...errors import CheckpointCorrupt, ConfigError
 from . import shardstate
 from .streams import SEED_RANGE
 
@@ -93,3 +93,12 @@ class TrainState:
 def job_seed() -> int:
     """This process's candidate for the job's seed: what the script seeded torch with (or torch's own)."""
     return torch.initial_seed() % SEED_RANGE
+
+
+def bounded(own: dict, key: str, limit: int, default):
+    """`own[key]` of a restored state (untrusted: a peer's, a checkpoint's): an int in 0..limit-1, else
+    CheckpointCorrupt; `default` where it is absent."""
+    value = own.get(key, default)
+    if value is not default and (type(value) is not int or not 0 <= value < limit):
+        raise CheckpointCorrupt(f"the restored state's {key!r} must be an int in 0..{limit - 1}, got {value!r}")
+    return value

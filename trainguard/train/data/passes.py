@@ -1,0 +1,55 @@
+"""The training loader's passes over the epochs, and the position a commit fixes.
+
+The script numbers its epochs as it likes (from 0, from 1, from its own snapshot) and hands the number to
+`set_epoch(n)`: that number is the pass's *label*, the key of its shuffle, never a position. The position
+(epoch, batches of the epoch taken by committed steps) is the job's, counted by the session, and what a peer,
+a rewind or a checkpoint takes is the position *at the last commit*: a rank that has already begun the next
+epoch's pass (the others had not) never makes the ranks resume at different positions.
+
+When the pass over the committed epoch ends, the code after it runs (a scheduler stepped per epoch, an eval, a
+save). A job that comes back to that position runs that code again, so what it takes is the hyperparameters
+as the pass's end left them (`end_state`, until the next commit).
+"""
+
+from __future__ import annotations
+
+from ...errors import ConfigError
+
+
+class Passes:
+    def __init__(self) -> None:
+        self.label: int | None = None  # set_epoch() of the current epoch's pass, once one began
+        self.ended = False  # the pass over the current epoch ran to its end in this process
+        self.end_state: dict | None = None  # TrainState.hyperparameters() at that end, until the next commit
+        self.committed: tuple[int, int, int | None] = (0, 0, None)  # (epoch, in_epoch, label) at the last commit
+
+    def commit(self, epoch: int, in_epoch: int) -> None:
+        """The position is committed as it stands (a commit, a restore, a fresh job's first epoch)."""
+        self.committed, self.end_state = (epoch, in_epoch, self.label), None
+
+    def restore(self, label: int | None) -> None:
+        """A restored position's pass, as its label; it has not ended in this process."""
+        self.label, self.ended, self.end_state = label, False, None
+
+    def roll(self) -> None:
+        """The next epoch's pass begins: its label is unknown until its loader starts."""
+        self.label, self.ended = None, False
+
+    def end(self, state) -> None:
+        """The pass over the committed epoch ran to its end: the next pass begins the next epoch, and the
+        hyperparameters as they are now are those of the committed position."""
+        if not self.ended:
+            self.ended = True
+            self.end_state = state.hyperparameters()
+
+    def begin(self, label: int, *, step: int, epoch: int, in_epoch: int) -> None:
+        """The training loader starts a pass shuffled with `label`: the first pass of the epoch names it; one that
+        differs from the restored position's label means the script's loop resumed at another epoch (ConfigError)."""
+        if self.label is None:
+            self.label = label
+        elif label != self.label:
+            raise ConfigError(
+                f"this process resumed at step {step}, in epoch {epoch} of the job (batch {in_epoch}), whose pass the "
+                f"loop shuffled with set_epoch({self.label}), but the loop now calls set_epoch({label}): start the "
+                "epoch loop where the job is, `for epoch in range(trainguard.start_epoch(), epochs)`, and number its "
+                "epochs as before")
