@@ -6,8 +6,9 @@ are the originals), under `trainguard run` with 3 ranks:
   saves its own snapshot, which every rank loads when the script runs again. Kill -9 right after an epoch's last
   step, mid-epoch, and inside the test pass's all_reduce: every tensor of every rank is `torch.equal` to an
   uninterrupted run, and so are the test losses.
-- stream.py: an IterableDataset stream with two loader workers under the training loader: refused at its first
-  steps with a ConfigError (exit 78), not at the first fault.
+- stream.py: an IterableDataset stream with two loader workers under the training loader, its own checkpoint
+  every 25 steps: kill -9 mid-stream and right after rank 0's save are bit-identical (the stream is read again up
+  to the committed batch); under `elastic`, which changes the ranks that split it, refused at its first steps.
 - torchrun_env.py: reads torchrun's variables before any trainguard call; a replacement sees the values a
   torchrun restart gives.
 """
@@ -22,8 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, env, events
-from test_nanogpt import tensors
+from harness import REPO, assert_identical, env, events
 
 from trainguard.exitcodes import EXIT_CONFIG_ERROR
 
@@ -34,9 +34,11 @@ WORKERS = 3
 TEST_LOSS = re.compile(r"Epoch \d+ \| test loss \S+")
 
 
-def run(script: str, out: Path, args: list[str], faults: str = "", **extra: str) -> subprocess.CompletedProcess:
+def run(script: str, out: Path, args: list[str], faults: str = "", extra_args: tuple = (),
+        **extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(WORKERS), "--recovery-path",
-           str(out / "recovery"), "--hot-spares", "1" if "kill" in faults or extra else "0", str(JOBS / script), *args]
+           str(out / "recovery"), "--hot-spares", "1" if "kill" in faults or extra else "0", *extra_args,
+           str(JOBS / script), *args]
     proc = subprocess.run(cmd, cwd=out, env=env(TG_FAULT=faults, **extra), capture_output=True, text=True,
                           timeout=240)
     (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -47,7 +49,7 @@ def mingpt(out: Path, faults: str = "", **extra: str) -> tuple[list[dict], list[
     proc = run("mingpt.py", out, ["--snapshot-path", str(out / "snapshot.pt"), "--final-out", str(out / "final")],
                faults, **extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    states = [dict(tensors(torch.load(out / f"final_rank{r}.pt", weights_only=True))) for r in range(WORKERS)]
+    states = [torch.load(out / f"final_rank{r}.pt", weights_only=True) for r in range(WORKERS)]
     return states, list(dict.fromkeys(TEST_LOSS.findall(proc.stdout)))
 
 
@@ -67,20 +69,39 @@ def test_mingpt_epochs_from_1_kill_9_is_bit_identical(tmp_path, baseline, faults
     extra = {"TG_FAULT_COLLECTIVE": collective} if collective else {}
     states, losses = mingpt(tmp_path, faults, **extra)
     assert [e for e in events(tmp_path) if e["event"] == "fault_injected"], "the fault did not fire"
-    for r, (got, want) in enumerate(zip(states, baseline[0])):
-        differ = [k for k in want if not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor)
-                                          else got[k] == want[k])]
-        assert not differ, f"rank {r}: {len(differ)} of {len(want)} differ, e.g. {differ[:5]}"
+    assert_identical(states, baseline[0], "every rank's final state")
     assert losses == baseline[1]
 
 
-def test_a_stream_under_the_training_loader_is_refused_at_its_first_steps(tmp_path):
-    proc = run("stream.py", tmp_path, ["--ckpt", str(tmp_path / "ckpt.pt"), "--num-workers", "2"])
+def stream(out: Path, faults: str = "") -> tuple[list[dict], subprocess.CompletedProcess]:
+    proc = run("stream.py", out, ["--ckpt", str(out / "ckpt.pt"), "--final-out", str(out / "final")], faults)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"final_rank{r}.pt", weights_only=True) for r in range(WORKERS)], proc
+
+
+@pytest.fixture(scope="module")
+def stream_baseline(tmp_path_factory) -> list[dict]:
+    return stream(tmp_path_factory.mktemp("uninterrupted"))[0]
+
+
+@pytest.mark.parametrize("fault", ["1:37:kill", "0:25:kill"])  # mid-stream; rank 0 right after its own save
+def test_a_stream_with_two_loader_workers_resumes_bit_identically(tmp_path, stream_baseline, fault):
+    """An IterableDataset stream (one per rank and loader worker, two workers) under the loader that trains: it has
+    no position to set, so a restore reads it again up to the committed batch (and says what that cost)."""
+    got, proc = stream(tmp_path, fault)
+    assert [e for e in events(tmp_path) if e["event"] == "fault_injected"], "the fault did not fire"
+    assert re.search(r"the training stream resumed at batch \d+ of its pass: its first \d+ batches were read again",
+                     proc.stderr), proc.stderr[-2000:]
+    assert_identical(got, stream_baseline, "every rank's final state")
+
+
+def test_a_stream_under_elastic_is_refused_at_its_first_steps(tmp_path):
+    proc = run("stream.py", tmp_path, ["--ckpt", str(tmp_path / "ckpt.pt")], extra_args=["--recover-strategy", "elastic"])
     assert proc.returncode == EXIT_CONFIG_ERROR, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "reads an IterableDataset (a stream)" in proc.stderr and "DistributedSampler" in proc.stderr
+    assert "reads an IterableDataset (a stream)" in proc.stderr and "elastic" in proc.stderr
     steps = [e["step"] for e in events(tmp_path) if e["event"] == "progress"]
+    assert max(steps, default=0) <= 2, steps  # at the first commit, not at the first fault
     assert "back to step" not in proc.stdout + proc.stderr  # no rank ran the script again: nothing was retried
-    assert max(steps, default=0) <= 2, steps  # at the first commit, not hours later
 
 
 def test_torchrun_environment_before_the_script_and_after_a_replacement(tmp_path):

@@ -14,11 +14,16 @@ its batches is also a point where a rank notices that the cluster moved on.
 
 from __future__ import annotations
 
+import sys
+import time
+
 import torch
 
 from ...errors import ConfigError
 from ..engine import guard as guard_mod
 from ..engine import rewind as rewind_mod
+from ..state.streams import key_seed
+from . import passes
 from .loaderseed import seed_loader_samples
 from .plainloaders import Resumable
 from .sampler import ShardedSampler, sharded_sampler
@@ -49,13 +54,22 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
         seed_loader_samples(self, sharded_sampler(self), session.streams.seed)  # random draws in workers (loaderseed.py)
         if session.train_loader != self.tg_index:
             return _OtherBatches(self, guard)
-        refuse_unresumable(self)
+        refuse_unresumable(self, elastic=session.strategy.elastic)
         session.state.loader = self
-        session.sampler = self.sampler
+        if isinstance(self.sampler, ShardedSampler):
+            session.sampler = self.sampler
         return _TrainingBatches(self, guard)
 
     def plain_iter(self):
         return super().__iter__()
+
+    def quiet_iter(self, session):
+        """torch's iterator, made without moving the global random stream. A stream's is made from a keyed one: the
+        base seed of its workers, which torch draws as the iterator is made, is then the same in every run."""
+        key = None
+        if is_stream(self):
+            key = key_seed(session.streams.seed or 0, session.rt.rank, f"stream/{self.tg_index}/{session.epoch}")
+        return _quietly(self.plain_iter, key)
 
 
 class _OtherBatches:
@@ -63,7 +77,7 @@ class _OtherBatches:
 
     def __init__(self, loader: DataLoader, guard: "guard_mod.Guard"):
         self.loader, self.guard = loader, guard
-        self.it = loader.plain_iter()
+        self.it = loader.quiet_iter(guard.session) if is_stream(loader) else loader.plain_iter()
 
     def __iter__(self):
         return self
@@ -73,11 +87,11 @@ class _OtherBatches:
         session = self.guard.session
         trains = session.train_loader == self.loader.tg_index  # the first commit named this pass's loader
         if trains:
-            refuse_unresumable(self.loader)  # now, not at the first fault, hours later
+            refuse_unresumable(self.loader, elastic=session.strategy.elastic)  # now, not at the first fault
         try:
             batch = next(self.it)
         except StopIteration:
-            if trains and session.in_epoch >= len(self.loader):
+            if trains and passes.pass_done(session.in_epoch, self.loader):
                 session.passes.end(session.state)  # its next pass begins the next epoch
             raise
         self.guard.training_batch(self.loader.tg_index)
@@ -91,16 +105,26 @@ class _TrainingBatches:
         self.loader, self.guard = loader, guard
         session = guard.session
         self.restores = session.restores
-        sampler, steps = loader.sampler, len(loader)
-        if session.in_epoch >= steps and session.passes.ended:
+        if session.passes.ended and passes.pass_done(session.in_epoch, loader):
             session.roll_epoch(session.epoch + 1)  # the next epoch's pass begins (set_epoch's number is only its label)
-        session.passes.begin(sampler.epoch, step=session.step, epoch=session.epoch, in_epoch=session.in_epoch)
+        label = getattr(loader.sampler, "epoch", 0)  # a stream has no set_epoch: one label
+        session.passes.begin(label, step=session.step, epoch=session.epoch, in_epoch=session.in_epoch)
         self.it = self._from_position()
 
     def _from_position(self):
-        session = self.guard.session
-        self.loader.sampler.set_position(session.in_epoch * self.loader.batch_size)
-        return _quietly(self.loader.plain_iter)
+        session, loader = self.guard.session, self.loader
+        if not is_stream(loader):
+            loader.sampler.set_position(session.in_epoch * loader.batch_size)
+            return loader.quiet_iter(session)
+        it = loader.quiet_iter(session)  # a stream has no position to set: read it again up to the committed batch
+        t0 = time.monotonic()
+        for _ in range(session.in_epoch):
+            next(it)
+        if session.in_epoch and session.rt.rank == 0:
+            print(f"trainguard: the training stream resumed at batch {session.in_epoch} of its pass: its first "
+                  f"{session.in_epoch} batches were read again and dropped in {time.monotonic() - t0:.2f} s (a stream "
+                  "has no position to set)", file=sys.stderr, flush=True)
+        return it
 
     def __iter__(self):
         return self
@@ -116,7 +140,7 @@ class _TrainingBatches:
         try:
             batch = next(self.it)
         except StopIteration:
-            if session.in_epoch >= len(self.loader):
+            if passes.pass_done(session.in_epoch, self.loader):
                 session.passes.end(session.state)
             raise
         guard.fetched += 1
@@ -125,22 +149,31 @@ class _TrainingBatches:
         return batch
 
 
-def refuse_unresumable(loader: DataLoader) -> None:
+def is_stream(loader) -> bool:
+    return isinstance(loader.dataset, torch.utils.data.IterableDataset)
+
+
+def refuse_unresumable(loader: DataLoader, *, elastic: bool) -> None:
     """ConfigError unless the loader that drives the steps can resume at the committed batch."""
-    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-        raise ConfigError("the loader that drives the training steps reads an IterableDataset (a stream), whose "
-                          "position trainguard cannot set after a failure: resuming it is not supported yet. Use a "
-                          "map-style dataset (__getitem__ and __len__) with sampler=trainguard.DistributedSampler("
-                          "dataset)")
+    if is_stream(loader):
+        if elastic:
+            raise ConfigError("the loader that drives the training steps reads an IterableDataset (a stream), which "
+                              "each rank reads its own share of: the elastic recover strategy, which changes the "
+                              "ranks, cannot split it again. Use a map-style dataset with trainguard."
+                              "DistributedSampler, or another recover strategy")
+        return
     if not isinstance(loader.sampler, ShardedSampler):
         raise ConfigError("the loader that drives the training steps needs sampler=trainguard.DistributedSampler("
                           "dataset), so that its position can be restored after a failure")
 
 
-def _quietly(make):
-    """Build an iterator without moving torch's global random stream (the step's stream is seeded)."""
+def _quietly(make, seed: int | None = None):
+    """Build an iterator without moving torch's global random stream (the step's stream is seeded); with `seed`,
+    from a stream seeded so."""
     state = torch.get_rng_state()
     try:
+        if seed is not None:
+            torch.default_generator.manual_seed(seed)
         return make()
     finally:
         torch.set_rng_state(state)

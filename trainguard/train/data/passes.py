@@ -16,6 +16,20 @@ from __future__ import annotations
 from ...errors import ConfigError
 
 
+def pass_length(loader) -> int | None:
+    """Batches in one pass of `loader`; None for a stream (an IterableDataset without a length)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def pass_done(in_epoch: int, loader) -> bool:
+    """A pass that stopped after `in_epoch` batches has ended (a stream ends when it says so)."""
+    steps = pass_length(loader)
+    return steps is None or in_epoch >= steps
+
+
 class Passes:
     def __init__(self) -> None:
         self.label: int | None = None  # set_epoch() of the current epoch's pass, once one began

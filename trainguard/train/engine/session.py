@@ -37,7 +37,7 @@ from ...worker import runtime as rt_mod
 from ...worker.transfer import all_max, all_max_each
 from ..data import phase as elastic
 from ..data.loaderseed import seed_loader_samples
-from ..data.passes import Passes
+from ..data.passes import Passes, pass_length
 from ..data.sampler import sampler_of
 from ...errors import (
     CollectiveFailed,
@@ -129,7 +129,7 @@ class Session:
 
     @property
     def steps_per_epoch(self) -> int | None:
-        return len(self.state.loader) if self.state.loader is not None else None
+        return pass_length(self.state.loader) if self.state.loader is not None else None
 
     @property
     def total_steps(self) -> int:
