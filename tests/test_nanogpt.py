@@ -74,6 +74,7 @@ def test_the_port_changes_at_most_five_lines():
 
 
 @pytest.mark.parametrize("fault", [
+    "2:23:kill-forward",  # in the middle of gradient accumulation: after the first micro-step's forward
     "1:13:kill-exchange",  # in the last micro-step's backward: the next batch already drawn (the prefetch)
     "2:17:kill",  # right after an optimizer step
     "1:20:kill",  # rank 0 is in its own loss estimate (random batches) and its save, the others go on

@@ -8,7 +8,8 @@ alive). A fault fires after step `step` commits, in the process's `life`-th inca
 (a retried step does not fail again).
 
 Inside the next step (the one after `step` commits), SIGKILL at a chosen point of the commit
-protocol: kill-before (before the gradient exchange), kill-exchange (while it is in flight: after
+protocol: kill-before (before the gradient exchange), kill-forward (the step's first training forward returned:
+in the middle of gradient accumulation, in the user's own loop), kill-exchange (while it is in flight: after
 its first bucket was sent), kill-after (the exchange completed, the update not yet applied),
 kill-commit (the update applied, the step not yet counted). Each firing is logged as a `fault_injected` event first, which is what
 MTTR is measured from.
@@ -47,8 +48,8 @@ SLOW_SAVE_ENV = "TG_FAULT_SLOW_SAVE"
 DISK_FULL_ENV = "TG_FAULT_DISK_FULL"
 SLOW_STEP_ENV = "TG_FAULT_SLOW_STEP"
 COLLECTIVE_FAULT_ENV = "TG_FAULT_COLLECTIVE"
-PHASES = {"kill-before": "before_exchange", "kill-exchange": "in_exchange", "kill-after": "after_exchange",
-          "kill-commit": "in_commit"}  # Session.phase_point names
+PHASES = {"kill-before": "before_exchange", "kill-forward": "after_forward", "kill-exchange": "in_exchange",
+          "kill-after": "after_exchange", "kill-commit": "in_commit"}  # Session.phase_point names
 HOWS = ("kill", "term", "stop", "raise", "sched", "collective", *PHASES)
 
 

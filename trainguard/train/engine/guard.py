@@ -150,7 +150,10 @@ class Guard:
         """A training forward of the step returned: the random streams are keyed for what the script draws next
         (train/state/streams.py: a batch prefetched during the step comes back the same after a restore)."""
         if self.in_step and self._training_forward():
-            self.session.streams.forward_done(self.session.step)
+            session = self.session
+            session.streams.forward_done(session.step)
+            if session.streams.forwards == 1:
+                session.phase_point("after_forward")  # a fault injection point (faults.py: kill-forward)
 
     def _training_forward(self) -> bool:
         return torch.is_grad_enabled() and self.model is not None and self.model.training
