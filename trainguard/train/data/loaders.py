@@ -7,7 +7,10 @@ learns which one it is at the first commit and keeps it with its state. It follo
 position: after a recovery it goes on from the committed batch, and when its pass over an epoch
 is done the job stays at that epoch's end until the loader starts the next pass (so the code
 after the epoch's batches, an eval pass, is where a fault in it comes back to). It needs
-`trainguard.DistributedSampler` (the position must be settable). Every other loader (eval, test)
+`trainguard.DistributedSampler` (the position must be settable), or reads an IterableDataset (a stream, one
+per rank and loader worker), which has no position to set: its pass is read again up to the committed batch,
+from an iterator whose workers' base seed is keyed, so a stream that is a function of (seed, rank, worker)
+gives the same batches. Every other loader (eval, test)
 is a plain torch loader whose pass simply starts again when the script comes back to it; each of
 its batches is also a point where a rank notices that the cluster moved on.
 """
