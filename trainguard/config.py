@@ -40,6 +40,7 @@ HEARTBEAT_TIMEOUT_ENV = "TG_HEARTBEAT_TIMEOUT"
 CONNECT_TIMEOUT_ENV = "TG_CONNECT_TIMEOUT"
 JOIN_TIMEOUT_ENV = "TG_JOIN_TIMEOUT"
 COLLECTIVE_TIMEOUT_ENV = "TG_COLLECTIVE_TIMEOUT"
+HANG_TIMEOUT_ENV = "TG_HANG_TIMEOUT"  # seconds without progress while peers wait before a worker is replaced; 0 = off
 BACKEND_ENV = "TG_BACKEND"
 LOCAL_RANK_ENV = "TG_LOCAL_RANK"
 FLAP_LIMIT_ENV = "TG_FLAP_LIMIT"
@@ -110,6 +111,7 @@ class ClusterConfig:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
     join_timeout: float = DEFAULT_JOIN_TIMEOUT_S
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    hang_timeout: float | None = None  # TG_HANG_TIMEOUT (control/waits.py); None: off
     backend: str = "auto"
     local_rank: int | None = None
     flap_limit: int = DEFAULT_FLAP_LIMIT
@@ -196,6 +198,12 @@ def env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def hang_timeout(env: Mapping[str, str]) -> float | None:
+    """TG_HANG_TIMEOUT: seconds, or unset/0/off for none."""
+    raw = env.get(HANG_TIMEOUT_ENV, "").strip().lower()
+    return None if raw in ("", "0", "off") else env_seconds(env, HANG_TIMEOUT_ENV, 0.0)
+
+
 def _bool(name: str, raw: str) -> bool:
     low = raw.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -251,6 +259,7 @@ def _common(env: Mapping[str, str]) -> dict:
         connect_timeout=env_seconds(env, CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S),
         join_timeout=env_seconds(env, JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S),
         collective_timeout=env_seconds(env, COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S),
+        hang_timeout=hang_timeout(env),
         backend=env.get(BACKEND_ENV, "auto").strip().lower() or "auto",
         local_rank=parse_int(LOCAL_RANK_ENV, local, lo=0) if local else None,
         flap_limit=parse_int(FLAP_LIMIT_ENV, flap, lo=1) if flap else DEFAULT_FLAP_LIMIT,

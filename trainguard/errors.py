@@ -51,6 +51,10 @@ class ClusterFailed(TrainguardError):
     """The job failed for good; the message carries the root cause."""
 
 
+class DesyncDetected(ClusterFailed):
+    """The job ended because its ranks called collectives that do not match (control/waits.py): a script bug."""
+
+
 class GenerationChanged(TrainguardError):
     """Membership changed while waiting; rejoin the new generation."""
 

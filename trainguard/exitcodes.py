@@ -11,6 +11,9 @@
     78   EXIT_CONFIG_ERROR a worker's script raised a deterministic error (SyntaxError, ImportError,
                            trainguard.ConfigError; launch/worker_main.py), which a restart would only raise
                            again: the agent ends the job at once. It is EX_CONFIG of sysexits.h
+    79   EXIT_DESYNC       the ranks called collectives that do not match (another operation, another shape,
+                           one rank skipping a call): a bug in the script, which a restart would meet
+                           again, so the job ends (control/waits.py). trainguard's own code, outside sysexits.h
 
 The launcher exits with EXIT_PREEMPTED when its workers did, and otherwise with the root
 cause's own exit code (1 for a signal) or 128 + N when signal N stopped it.
@@ -21,3 +24,4 @@ EXIT_JOB_FAILED = 3
 EXIT_PREEMPTED = 75
 EXIT_FAULT_STOP = 76
 EXIT_CONFIG_ERROR = 78  # EX_CONFIG: a deterministic error in a worker's script; never restarted
+EXIT_DESYNC = 79  # the ranks called collectives that do not match: a script bug; never restarted

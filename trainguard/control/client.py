@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import (
     ClusterFailed,
+    DesyncDetected,
     FencedError,
     ProtocolError,
     RegistrationRejected,
@@ -118,6 +119,8 @@ def raise_for(reply, what: str):
             raise RendezvousTimeout(f"{what}: {reply.message}")
         if reply.code is p.ErrorCode.JOB_OVER:
             raise ClusterFailed(f"{what}: {reply.message}")
+        if reply.code is p.ErrorCode.DESYNC:
+            raise DesyncDetected(f"{what}: {reply.message}")
         if reply.code is p.ErrorCode.BAD_MESSAGE:
             raise ProtocolError(f"{what}: {reply.message}")
         raise RegistrationRejected(f"{what}: {reply.message}", code=reply.code.value, retry=reply.retry)
@@ -204,10 +207,10 @@ class SchedulerClient:
                       payload=payload, timeout=timeout)
         return raise_for(self._call(msg, timeout + 5.0), f"agreeing on {purpose}").decision
 
-    def report_failure(self, generation: int, kind: p.FailureKind, detail: str) -> None:
+    def report_failure(self, generation: int, kind: p.FailureKind, detail: str, at: p.Waiting | None = None) -> None:
         me = self._ident()
         msg = p.ReportFailure(node_id=me.node_id, incarnation=me.incarnation, generation=generation, kind=kind,
-                              detail=detail[-8000:])
+                              detail=detail[-8000:], at=at)
         reply = self._call(msg, 10.0)
         if isinstance(reply, p.Error) and reply.code is not p.ErrorCode.FENCED:
             raise_for(reply, "reporting a failure")
@@ -239,11 +242,14 @@ class Heartbeater(threading.Thread):
     instead when `relay` names its socket."""
 
     def __init__(self, address: Address, identity: Identity, interval: float, *, step_fn=lambda: -1,
-                 on_news=lambda: None, secret: bytes | None = None, relay: str | None = None):
+                 on_news=lambda: None, secret: bytes | None = None, relay: str | None = None,
+                 waits_fn=lambda: (None, None), on_hang=lambda why: None):
         super().__init__(name="trainguard-heartbeat", daemon=True)
         self.address, self.identity, self.interval, self.secret = address, identity, interval, secret
         self.step_fn = step_fn
+        self.waits_fn = waits_fn  # (the collective it waits in, seconds since its last progress)
         self.on_news = on_news  # called from this thread when the generation moves or we are fenced
+        self.on_hang = on_hang  # called from this thread when the scheduler judged this worker hung
         self.generation_seen = 0
         self.formed = False
         self.job_over = False
@@ -262,8 +268,10 @@ class Heartbeater(threading.Thread):
                     self._conn = (LocalConnection(self.relay, 2.0) if self.relay else
                                   Connection(self.address, timeout=2.0, secret=self.secret))
                 me = self.identity
+                waiting, idle = self.waits_fn()
                 reply = self._conn.request(p.Heartbeat(node_id=me.node_id, incarnation=me.incarnation,
-                                                       generation=self.generation_seen, step=self.step_fn()), 10.0)
+                                                       generation=self.generation_seen, step=self.step_fn(),
+                                                       waiting=waiting, idle=idle), 10.0)
                 if isinstance(reply, p.Error) and reply.retry:  # the relay has no word from the scheduler yet
                     raise SchedulerUnavailable(reply.message)
                 if isinstance(reply, p.Error):
@@ -276,6 +284,8 @@ class Heartbeater(threading.Thread):
                 if moved:
                     self.on_news()
                 self.formed, self.job_over = reply.formed, reply.job_over
+                if reply.hang:
+                    self.on_hang(reply.hang)
                 self.connected.set()
                 delay = BACKOFF_START_S
                 self._halt.wait(self.interval)

@@ -55,6 +55,7 @@ from .msgbase import (  # the base of every message, the field types
 )
 from .outcomes import Decision
 from .reports import ErrorReport, FinishReport, RestoreReport, ShardedRestoreReport
+from .waits import Seconds, Waiting
 
 MAGIC = b"TG"
 PROTOCOL_VERSION = 2  # 2: an agreement's decision is a typed model per purpose (outcomes.py)
@@ -70,6 +71,7 @@ class ErrorCode(str, enum.Enum):
     FENCED = "fenced"  # stale generation or incarnation
     TIMEOUT = "timeout"
     JOB_OVER = "job_over"  # the job has finished or failed
+    DESYNC = "desync"  # the job ended on a desync: the ranks called collectives that do not match (waits.py)
     UNKNOWN_NODE = "unknown_node"
 
 
@@ -107,6 +109,8 @@ class Heartbeat(Msg):
     incarnation: Incarnation
     generation: Generation
     step: BeatStep
+    waiting: Waiting | None = None  # the collective it has been blocked in for a while (worker/ledger.py)
+    idle: Seconds | None = None  # seconds since its last progress (a collective, a step, a batch)
 
 
 class Join(Msg):
@@ -126,6 +130,7 @@ class ReportFailure(Msg):
     generation: Generation
     kind: FailureKind
     detail: str = Field(default="", max_length=8192)
+    at: Waiting | None = None  # the collective that failed (a desync shows there: waits.py)
 
 
 class Agree(Msg):
@@ -228,6 +233,7 @@ class HeartbeatAck(Msg):
     generation: Generation
     formed: bool
     job_over: bool = False
+    hang: Text = ""  # this worker made no progress while its peers waited: print its stacks and end (a fault)
 
 
 class Formed(Msg):

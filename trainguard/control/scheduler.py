@@ -17,7 +17,7 @@ from collections import Counter
 
 from ..config import ClusterConfig, check_recovery_path
 from ..errors import ClusterStateError, ConfigError
-from ..exitcodes import EXIT_JOB_FAILED, EXIT_PREEMPTED
+from ..exitcodes import EXIT_DESYNC, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..obs.events import EventLog
 from . import auth, tls
 from . import membership as m
@@ -37,6 +37,7 @@ from .placement import PlacementPolicy
 from .rendezvous import Rendezvous
 from .sched_child import drain_on_signals, kill_if_local, publish_port
 from .status import JobView
+from .watch import Watch
 
 log = logging.getLogger("trainguard.scheduler")
 
@@ -98,6 +99,7 @@ class Scheduler:
         self.max_pending_per_peer = PENDING_PER_PEER_BASE + cfg.worker_num
         self._pending: Counter[str] = Counter()  # peer address -> its connections in the handshake
         self.rendezvous = Rendezvous(self)
+        self.watch = Watch(self, cfg.hang_timeout, cfg.heartbeat_interval)  # desyncs and hangs (waits.py)
         agents = AgentRequests(self)
         self._handlers = {  # request type -> its handler (one argument; a heartbeat's also takes its connection)
             "register": self._on_register, "reattach": self._on_reattach, "heartbeat": self._on_heartbeat,
@@ -163,7 +165,7 @@ class Scheduler:
             self.commits.flush()
             self.db.close()
         return {m.JobState.DONE: 0, m.JobState.STOPPED: EXIT_PREEMPTED, m.JobState.RUNNING: EXIT_PREEMPTED}.get(
-            job, EXIT_JOB_FAILED)
+            job, EXIT_DESYNC if self.watch.declared else EXIT_JOB_FAILED)
 
     def _nobody_left(self) -> bool:
         """The job is over or no worker is alive: after a stop signal, no one is left to serve."""
@@ -204,6 +206,7 @@ class Scheduler:
                 kill_if_local(node.node_id, node.host, node.pid, self.port)
             if self.elastic and not self.cluster.formed:  # a dead member's deadline may have passed
                 self.rendezvous.try_form()
+            self.watch.check()
 
     def _publish(self) -> None:
         """A fault in the metrics view is logged and never stops the failure detection that follows it."""
@@ -273,7 +276,8 @@ class Scheduler:
         if self.cluster.job is m.JobState.RUNNING:
             return None
         why = self.cluster.root_cause or "all workers finished"
-        return p.Error(code=p.ErrorCode.JOB_OVER, message=f"the job is {self.cluster.job.value}: {why}")
+        code = p.ErrorCode.DESYNC if self.watch.declared else p.ErrorCode.JOB_OVER
+        return p.Error(code=code, message=f"the job is {self.cluster.job.value}: {why}")
 
     # --- membership requests ---------------------------------------------------------
 
@@ -316,10 +320,12 @@ class Scheduler:
         node = self.current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node  # else _current has marked it alive, seen now
-        self.view.heartbeat(node.node_id, req.step, node.last_seen)
+        self.view.heartbeat(node.node_id, req.step, node.last_seen, idle=req.idle, waiting=req.waiting)
         self._liveness[id(conn)] = (node.node_id, node.incarnation)
+        hang = self.watch.beat(node, req.waiting, req.idle)
         c = self.cluster
-        return p.HeartbeatAck(generation=c.generation, formed=c.formed, job_over=c.job is not m.JobState.RUNNING)
+        return p.HeartbeatAck(generation=c.generation, formed=c.formed, job_over=c.job is not m.JobState.RUNNING,
+                              hang=hang)
 
     def _fail(self, node_id: str, incarnation: int | None, kind: p.FailureKind, detail: str, *,
                     final: bool = False) -> None:
@@ -331,6 +337,8 @@ class Scheduler:
             return
         before = c.generation
         m.apply_failure(c, node_id, d, time.monotonic())
+        if d.mark_dead and node is not None:
+            self.watch.forget(node.rank)
         self.persist(node_id)
         log.warning("%s", for_log(d.reason))
         self.events.emit("failure_detected", node=node_id, rank=node.rank if node else -1, kind=kind.value,
@@ -341,6 +349,7 @@ class Scheduler:
         node = self.current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node
+        self.watch.failure(node, req.at)  # two survivors failed in mismatched collectives: a desync
         if req.kind is p.FailureKind.COLLECTIVE and req.generation != self.cluster.generation:
             return p.Ok()  # that generation is already over
         self._fail(req.node_id, req.incarnation, req.kind, req.detail)

@@ -33,6 +33,7 @@ class JobView:
         self.tail = EventTail(recovery_path / "events.jsonl" if recovery_path is not None else None)
         self.started = time.monotonic()
         self.steps: dict[str, tuple[int, float]] = {}  # node id -> (last step it reported, when)
+        self.waits: dict[str, tuple[float | None, str]] = {}  # node id -> (seconds without progress, what it waits in)
         self.samples: deque[tuple[float, int]] = deque()  # (time, job step), at most one a second
         self.steps_done = 0  # steps finished, counting those redone after a recovery (monotonic)
         self._recoveries: list[dict] = []
@@ -53,9 +54,11 @@ class JobView:
         """The newest step any member said it committed (0 before any)."""
         return max((s for s, _ in self.steps.values()), default=0)
 
-    def heartbeat(self, node_id: str, step: int, now: float) -> None:
-        """A member's heartbeat said it has committed `step` steps (-1: not training yet). O(1): the job's
-        step (the members' largest) is taken at most once a second, as a sample."""
+    def heartbeat(self, node_id: str, step: int, now: float, idle: float | None = None, waiting=None) -> None:
+        """A member's heartbeat said it has committed `step` steps (-1: not training yet), made no progress for
+        `idle` seconds, and waits in `waiting` (control/waits.py). O(1): the job's step (the members' largest)
+        is taken at most once a second, as a sample."""
+        self.waits[node_id] = (idle, f"{waiting.op} at {waiting.site} for {waiting.for_s:.1f} s" if waiting else "")
         if step < 0:
             return
         self.steps[node_id] = (step, now)
@@ -100,9 +103,11 @@ class JobView:
         nodes = []
         for n in sorted(c.nodes.values(), key=lambda n: n.rank):
             step, _ = self.steps.get(n.node_id, (None, None))
+            idle, waiting = self.waits.get(n.node_id, (None, ""))
             nodes.append(dict(node_id=n.node_id, rank=n.rank, host=n.host, pid=n.pid, incarnation=n.incarnation,
                               state=n.state.value, failures=n.failures, step=step,
-                              heartbeat_age_s=round(now - n.last_seen, 3)))
+                              heartbeat_age_s=round(now - n.last_seen, 3),
+                              idle_s=round(idle, 1) if idle is not None else None, waiting=waiting))
         rate = self.step_rate()
         return dict(generation=c.generation, formed=c.formed, job=c.job.value, worker_num=c.worker_num,
                     root_cause=c.root_cause, strategy=self.strategy, nodes=nodes, scheduler_pid=os.getpid(),

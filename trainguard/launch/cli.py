@@ -34,7 +34,7 @@ from ..tlsconfig import read as read_tls
 from . import certs, chaos, observe, slurm
 from .agent import Supervisor
 from .budget import restart_rate
-from .jobfile import merge_job_file, resolve_strategy
+from .jobfile import merge_job_file, resolve_hang_timeout, resolve_strategy
 from .policy import EXIT_CONFIG, LaunchSpec, set_env
 from .relocate import placement_policy
 from .secret import job_secret, write_secret
@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--grace-period", dest="grace_period", type=float,
                      help="seconds from SIGTERM/SIGINT/SIGUSR1 to SIGKILL, for the dying-gasp checkpoint "
                           "(default TG_GRACE_PERIOD, else 10)")
+    run.add_argument("--hang-timeout", dest="hang_timeout", type=float,
+                     help="seconds a worker may make no progress (no step, collective or batch) while its peers wait "
+                          "for it before its stacks are printed and it is replaced (default TG_HANG_TIMEOUT, else off)")
     run.add_argument("--slots", type=int,
                      help="recover: workers this host can run, its own included; room for workers moved here from "
                           "another host (default: --workers)")
@@ -213,7 +216,7 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
                       max_restarts=args.max_restarts, restart_rate=restart_rate(args, env),
                       hot_spares=_hot_spares(args), recover_strategy=strategy,
                       grace_s=grace, slots=args.slots or 0, placement=placement_policy(args, env),
-                      metrics_port=args.metrics_port)
+                      metrics_port=args.metrics_port, hang_timeout=resolve_hang_timeout(args, env))
     if not Path(args.script).is_file():
         raise ConfigError(f"script {args.script!r} not found")
     host_env, port_env = _first(env, SCHED_HOST_ENV), _first(env, SCHED_PORT_ENV)

@@ -9,6 +9,7 @@
     recover_strategy: retry,recover-in-place,dump     # or a list: [retry, recover-in-place, dump]
     max_retries: 3
     grace_period: 30                                   # seconds from SIGTERM to SIGKILL
+    hang_timeout: 600                                  # no progress this long while peers wait: replaced
     recovery_path: /shared/job42/recovery
     ssl_config: /shared/tls/ssl.json                   # TLS; passwords from TG_SERVER/CLIENT_PASSWORD(_FILE)
 
@@ -42,6 +43,7 @@ from ..config import (
     MAX_RETRIES_ENV,
     RECOVER_STRATEGY_ENV,
     env_seconds,
+    hang_timeout,
     parse_int,
 )
 from ..errors import ConfigError
@@ -78,6 +80,7 @@ class JobFile(BaseModel):
     recover_strategy: str | None = None
     max_retries: int | None = Field(None, ge=0)
     grace_period: float | None = Field(None, gt=0)
+    hang_timeout: float | None = Field(None, ge=0)  # 0: off
     slots: int | None = Field(None, ge=1)  # recover: this host's capacity
     host_fail_limit: int | None = Field(None, ge=1)
     host_fail_window: float | None = Field(None, gt=0)
@@ -144,6 +147,16 @@ def merge_job_file(args: argparse.Namespace, fallback: Mapping[str, object] | No
     if getattr(args, "script", None) is None:
         raise ConfigError("no training script: give it after the flags, or as `script:` in the --config file")
     return args
+
+
+def resolve_hang_timeout(args: argparse.Namespace, env: Mapping[str, str]) -> float | None:
+    """--hang-timeout or the job file's hang_timeout, else TG_HANG_TIMEOUT; None (also for 0): off."""
+    value = getattr(args, "hang_timeout", None)
+    if value is None:
+        return hang_timeout(env)
+    if value < 0:
+        raise ConfigError(f"--hang-timeout must be >= 0 seconds (0: off), got {value:g}")
+    return float(value) or None
 
 
 def resolve_strategy(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[RecoverStrategy, float]:

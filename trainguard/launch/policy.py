@@ -20,6 +20,7 @@ from ..config import (
     ELASTIC_DEADLINE_ENV,
     ENABLE_RECOVERY_ENV,
     GRACE_PERIOD_ENV,
+    HANG_TIMEOUT_ENV,
     JOB_SECRET_ENV,
     JOB_SECRET_FILE_ENV,
     LOCAL_RANK_ENV,
@@ -40,13 +41,7 @@ from ..config import (
 from ..control.auth import worker_secret
 from ..control.placement import PlacementPolicy
 from ..errors import ConfigError
-from ..exitcodes import (
-    EXIT_CONFIG,
-    EXIT_CONFIG_ERROR,
-    EXIT_FAULT_STOP,
-    EXIT_JOB_FAILED,
-    EXIT_PREEMPTED,
-)
+from ..exitcodes import EXIT_CONFIG, EXIT_CONFIG_ERROR, EXIT_DESYNC, EXIT_FAULT_STOP, EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..signals import signal_name
 from ..strategies import DEFAULT_STRATEGY, RecoverStrategy, parse_strategy
 from .budget import CRASH_LOOP_ADVICE, DEFAULT_MAX_RESTARTS, RestartRate
@@ -95,6 +90,8 @@ def decide_exit(role: Role, returncode: int, restarts_used: int, max_restarts: i
         return Decision(Action.GIVE_UP, "the scheduler rejected its configuration; a restart cannot help")
     if role is Role.SCHEDULER and returncode == EXIT_JOB_FAILED:
         return Decision(Action.GIVE_UP, "the scheduler ended the job as failed")
+    if returncode == EXIT_DESYNC:  # a bug in the script: a restart would meet it again
+        return Decision(Action.GIVE_UP, "the ranks called collectives that do not match (a desync)")
     if role is Role.SCHEDULER and returncode == EXIT_PREEMPTED:
         return Decision(Action.FINISHED, "the scheduler ended the job as stopped")
     if role is Role.WORKER and returncode == EXIT_PREEMPTED:
@@ -133,6 +130,8 @@ def job_exit_code(root: Failure, last: Failure) -> int:
     """The agent's exit code when `last` ended the job: 78 if it was a deterministic error, else the root cause's."""
     if last.role is Role.WORKER and last.returncode == EXIT_CONFIG_ERROR:
         return EXIT_CONFIG_ERROR
+    if EXIT_DESYNC in (last.returncode, root.returncode):
+        return EXIT_DESYNC
     return exit_code_for(root.returncode)
 
 
@@ -172,6 +171,9 @@ def failure_summary(root: Failure, restarts_used: int, last: Failure | None = No
         root = end
     elif root.role is Role.SCHEDULER and root.returncode == EXIT_JOB_FAILED:
         head = f"trainguard: the scheduler (pid {root.pid}) ended the job as failed; its last lines give the root cause"
+    elif EXIT_DESYNC in (root.returncode, end.returncode):
+        head = (f"trainguard: desync: the ranks called collectives that do not match, a bug in the script that a "
+                f"restart would meet again (exit code {EXIT_DESYNC}); the scheduler's last lines name both calls")
     elif restarts_used:
         plural = "restart" if restarts_used == 1 else "restarts"
         head = f"trainguard: giving up after {restarts_used} {plural}; root cause: {root.describe()}"
@@ -243,6 +245,7 @@ class LaunchSpec:
     recovery_path: Path | None = None
     log_dir: Path | None = None
     grace_s: float = DEFAULT_GRACE_S  # --grace-period / TG_GRACE_PERIOD: signal -> dying-gasp save -> SIGKILL
+    hang_timeout: float | None = None  # --hang-timeout / TG_HANG_TIMEOUT (control/waits.py); None: off
     sched_exit_wait_s: float = DEFAULT_SCHED_EXIT_WAIT_S
     recover_strategy: RecoverStrategy = _DEFAULT_STRATEGY
     slots: int = 0  # recover: workers this host can run (--slots); 0 = its own worker count
@@ -338,6 +341,7 @@ def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[
     env[RECOVER_STRATEGY_ENV] = str(spec.recover_strategy)
     env[MAX_RETRIES_ENV] = str(spec.recover_strategy.max_retries)
     env[ELASTIC_DEADLINE_ENV] = f"{spec.recover_strategy.elastic_deadline:g}"
+    env[HANG_TIMEOUT_ENV] = f"{spec.hang_timeout:g}" if spec.hang_timeout else "0"
     env.pop(JOB_SECRET_FILE_ENV, None)
     secret = spec.secret if spec.secret is None or role is Role.SCHEDULER else worker_secret(spec.secret)
     set_env(env, JOB_SECRET_ENV, secret.decode() if secret is not None else None)  # a worker's: control/auth.py

@@ -48,8 +48,8 @@ import traceback
 from typing import NoReturn
 
 from .. import rewinding, signals
-from ..errors import ConfigError, Rewind
-from ..exitcodes import EXIT_CONFIG_ERROR
+from ..errors import ClusterFailed, ConfigError, DesyncDetected, Rewind
+from ..exitcodes import EXIT_CONFIG_ERROR, EXIT_DESYNC, EXIT_FAULT_STOP
 
 PGINIT, PGINIT_AFTER = "trainguard.worker.pginit", "torch.distributed.distributed_c10d"
 DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (SyntaxError, ImportError, ConfigError)
@@ -147,10 +147,21 @@ def _run_once(script: str) -> bool:
     except BaseException as exc:
         if rewinding.rewind(exc):
             return True
+        if isinstance(exc, ClusterFailed):
+            _job_ended(exc)
         if not isinstance(exc, (Exception, Rewind)):  # KeyboardInterrupt and the like: as python would
             raise
         _fail(script, exc)
-    return rewinding.again_at_end()
+    try:
+        return rewinding.again_at_end()
+    except ClusterFailed as exc:
+        _job_ended(exc)
+
+
+def _job_ended(exc: ClusterFailed) -> NoReturn:
+    """The job ended elsewhere (a desync, or the launcher gave up): a consequence here, said in one line."""
+    print(f"trainguard: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_DESYNC if isinstance(exc, DesyncDetected) else EXIT_FAULT_STOP) from None
 
 
 def _fail(script: str, exc: BaseException) -> NoReturn:

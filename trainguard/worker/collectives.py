@@ -25,12 +25,14 @@ import all_reduce`) keeps the unwrapped function.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..errors import CollectiveFailed
+from .ledger import ledger
 
 NAMES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
          "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
@@ -65,32 +67,39 @@ observers: list = []  # callables (name) run before each synchronous collective:
 _generation = lambda: -1  # noqa: E731  the current generation (set by install)
 
 
-def _typed(name: str, gen: int, call, *args, **kwargs):
-    """`call(*args, **kwargs)` with a RuntimeError as `CollectiveFailed`, and a broken generation failing at once."""
+def _typed(name: str, gen: int, point, call, *args, **kwargs):
+    """`call(*args, **kwargs)` with a RuntimeError as `CollectiveFailed`, and a broken generation failing at once;
+    the ledger learns that `point` (worker/ledger.py) is done or failed."""
     first = failures.failed(gen)
     if first is not None:  # the generation is broken: no waiting on peers that left
+        ledger.fail(point)
         raise CollectiveFailed(f"{name}: generation {gen} already failed ({first})") from first
     try:
-        return call(*args, **kwargs)
+        out = call(*args, **kwargs)
     except CollectiveFailed:
+        ledger.fail(point)
         raise
     except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError (DistError is one)
+        ledger.fail(point)
         failed = CollectiveFailed(f"{name} failed in generation {gen}: {str(exc)[:300]}")
         failures.record(gen, failed)
         raise failed from exc
+    ledger.done(point)
+    return out
 
 
 class TypedWork(dist.Work):
     """An asynchronous collective's handle whose `wait()` fails as `CollectiveFailed` (see the module docstring).
     It is a torch `Work`, so code that checks `isinstance(work, dist.Work)` (FSDP2) still waits on it."""
 
-    def __init__(self, work: dist.Work, name: str, generation: int):
+    def __init__(self, work: dist.Work, name: str, generation: int, point=None):
         super().__init__()
-        self.work, self.name, self.generation = work, name, generation
+        self.work, self.name, self.generation, self.point = work, name, generation, point
 
     def wait(self, timeout=None) -> bool:
         args = () if timeout is None else (timeout,)
-        return _typed(self.name, self.generation, self.work.wait, *args)
+        ledger.wait(self.point)
+        return _typed(self.name, self.generation, self.point, self.work.wait, *args)
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -117,16 +126,31 @@ class TypedWork(dist.Work):
         self.work.block_current_stream()
 
 
+def _group_index(fn) -> int:
+    """The position of `fn`'s `group` parameter (-1: none)."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return -1
+    return names.index("group") if "group" in names else -1
+
+
 def _wrap(name: str, fn):
+    at = _group_index(fn)
+
     @functools.wraps(fn)
     def collective(*args, **kwargs):
-        if observers and not kwargs.get("async_op"):
+        asynchronous = kwargs.get("async_op")
+        if observers and not asynchronous:
             for observe in observers:
                 observe(name)
         gen = _generation()
-        out = _typed(name, gen, fn, *args, **kwargs)
+        point = ledger.enter(name, kwargs.get("group", args[at] if 0 <= at < len(args) else None), args, kwargs)
+        if not asynchronous:
+            ledger.wait(point)
+        out = _typed(name, gen, point, fn, *args, **kwargs)
         if isinstance(out, dist.Work) and not isinstance(out, TypedWork):
-            return TypedWork(out, name, gen)
+            return TypedWork(out, name, gen, point)
         return out
 
     collective.__trainguard_wrapped__ = fn
@@ -136,7 +160,7 @@ def _wrap(name: str, fn):
 def _wrap_functional(name: str, fn):
     @functools.wraps(fn)
     def functional(*args, **kwargs):
-        return _typed(f"functional {name}", _generation(), fn, *args, **kwargs)
+        return _typed(f"functional {name}", _generation(), None, fn, *args, **kwargs)
 
     functional.__trainguard_wrapped__ = fn
     return functional

@@ -27,15 +27,11 @@ from ..control import protocol as p
 from ..control.client import Heartbeater, SchedulerClient
 from ..control.outcomes import ErrorDecision
 from ..control.reports import ErrorReport
-from ..errors import (
-    ClusterFailed,
-    ConfigError,
-    FencedError,
-    SchedulerUnavailable,
-    TrainguardError,
-)
+from ..errors import ClusterFailed, ConfigError, FencedError, SchedulerUnavailable, TrainguardError
 from ..obs.events import EventLog
 from . import collectives
+from .hang import die_hung
+from .ledger import beat, failed_at, ledger
 from .mpchild import refuse_a_rerun_by_multiprocessing
 from .sever import GroupSockets, open_sockets, scheduler_peers
 from .store import SchedulerStore, generation_prefix
@@ -118,7 +114,8 @@ class Runtime:
         log.info("registered as %s (incarnation %d)", self.node_id, self.incarnation)
         self.heart = Heartbeater(self.address, self.client.identity, self.cfg.heartbeat_interval,
                                  step_fn=lambda: self.step, on_news=self._on_news, secret=self.cfg.secret,
-                                 relay=self.cfg.beat_socket)
+                                 relay=self.cfg.beat_socket, on_hang=die_hung,
+                                 waits_fn=lambda: beat(self.cfg.heartbeat_interval))
         self.heart.start()
 
     def form(self) -> p.Formed:
@@ -208,6 +205,7 @@ class Runtime:
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
         before = open_sockets()
         _reset_group_names()
+        ledger.reset(self.generation)  # every group's collectives are numbered from 1 again
         init = c10d.init_process_group  # torch's own, also where a script's call joins this group (pginit.py)
         getattr(init, "__wrapped__", init)(backend, store=store, rank=self.rank, world_size=self.world_size,
                                            timeout=timedelta(seconds=self.cfg.group_build_timeout), **kwargs)
@@ -233,7 +231,7 @@ class Runtime:
 
     def report_failure(self, detail: str, kind: p.FailureKind = p.FailureKind.COLLECTIVE) -> None:
         try:
-            self.client.report_failure(self.generation, kind, detail)
+            self.client.report_failure(self.generation, kind, detail, at=failed_at())
         except SchedulerUnavailable as exc:
             log.warning("could not report the failure (%s); the scheduler will learn it otherwise", exc)
 

@@ -34,7 +34,7 @@ from typing import NoReturn
 
 from ... import signals
 from ...errors import JobStopped
-from ...exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
+from ...exitcodes import EXIT_DESYNC, EXIT_FAULT_STOP, EXIT_PREEMPTED
 from ...signals import ECHO_WINDOW_S, signal_name
 from .dump import DumpResult, dump_targets, write_dying_gasp
 
@@ -112,8 +112,9 @@ def stop_gracefully(session, signum: int) -> NoReturn:
     _leave(session, EXIT_PREEMPTED, reason, result)
 
 
-def stop_on_fault(session, reason: str) -> NoReturn:
-    """A fault that the recover strategy does not recover from: dump if asked, say goodbye, exit 76."""
+def stop_on_fault(session, reason: str, *, desync: bool = False) -> NoReturn:
+    """A fault that the recover strategy does not recover from: dump if asked, say goodbye, exit 76. A desync
+    (the ranks' collectives do not match: control/waits.py) always saves its dying gasp, and exits 79."""
     rt, strategy = session.rt, session.strategy
     if hasattr(session.state.model, "drop"):
         session.state.model.drop()
@@ -121,7 +122,7 @@ def stop_on_fault(session, reason: str) -> NoReturn:
     for saver in session.disk_sources:  # a save waiting for a dead peer's part is left incomplete
         saver.settle(GOODBYE_PATIENCE_S)
     result = None
-    if strategy.dump:
+    if strategy.dump or desync:
         deadline = session.stop.deadline(rt.cfg.grace_period)
         items, notes = dump_targets(session.capture(), rt, patience=GOODBYE_PATIENCE_S)
         for note in notes:
@@ -136,4 +137,4 @@ def stop_on_fault(session, reason: str) -> NoReturn:
     print(f"trainguard: rank {rt.rank}: stopping (recover strategy {strategy}): {reason}{saved}",
           file=sys.stderr, flush=True)
     rt.finish(ok=False, detail=f"stopped after a fault ({strategy}): {reason}", patience=GOODBYE_PATIENCE_S)
-    _leave(session, EXIT_FAULT_STOP, reason, result)
+    _leave(session, EXIT_DESYNC if desync else EXIT_FAULT_STOP, reason, result)

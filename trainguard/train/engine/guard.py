@@ -43,6 +43,7 @@ import torch
 from ... import rewinding
 from ...errors import CollectiveFailed, ConfigError, Rewind
 from ...worker import runtime as rt_mod
+from ...worker.ledger import ledger
 from ..data import plainloaders
 from ..parallel import sharding
 from ..parallel.ddp import DataParallel
@@ -162,6 +163,7 @@ class Guard:
         """Between steps (an eval batch or forward): under a rewind, a recovery the commit left pending or a
         generation that is over goes back now. Started by hand, recoveries wait for the next training step."""
         session = self.ensure_started()
+        ledger.progressed()  # a batch or a forward: this rank is not stuck (worker/ledger.py)
         if not session.rewinds:
             return
         session.before_step()
@@ -236,7 +238,13 @@ class Guard:
             session.flush_saves()  # the last step's checkpoint, due since its commit
         except rewind_mod.FAULTS as exc:
             return rewind_mod.prepare(exc)
-        if session.finish(recover=False):
+        end = ledger.at_end()
+        ledger.wait(end)  # a peer still blocked in a collective this rank never made: a desync (control/waits.py)
+        try:
+            finished = session.finish(recover=False)
+        finally:
+            ledger.done(end)
+        if finished:
             self.finished = True
             return False
         return rewind_mod.prepare(Rewind("a peer failed before the job could finish"))

@@ -34,6 +34,8 @@ import random
 import numpy as np
 import torch
 
+from ...worker.ledger import ledger
+
 SEED_RANGE = 1 << 63
 START = "start"
 
@@ -70,6 +72,7 @@ class Streams:
         self.committed_forwards = 0  # training forwards of the last committed step (travels with the state)
 
     def _seed(self, point: str) -> None:
+        ledger.progressed()  # every point of a step is progress (a hang: worker/ledger.py)
         if self.seed is not None:
             seed_streams(key_seed(self.seed, self.rt.rank, point))
 

@@ -1,0 +1,130 @@
+"""Desyncs and hangs (control/waits.py, control/watch.py, worker/ledger.py), with real processes.
+
+A desync is a script bug: ranks that call collectives that do not match. It must end the job within 10 s of
+the mismatch, name both calls (file:line), record the event, and exit EXIT_DESYNC (79), never 0, whether gloo
+waits (another operation: until its timeout) or aborts a rank at once (another size, a skipped call). A hang
+(a rank stuck in its own code while its peers wait) is a fault: its stacks are printed, it is replaced, and
+the job ends bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import REPO, assert_identical, env, events
+
+from trainguard.control.waits import END_OF_SCRIPT, Waiting, find_desync, find_hang, mismatch
+from trainguard.exitcodes import EXIT_DESYNC
+
+pytestmark = pytest.mark.timeout(240)
+
+DESYNC_JOB, HANG_JOB = REPO / "tests" / "jobs" / "desync.py", REPO / "tests" / "jobs" / "hang.py"
+
+
+def run(out: Path, script: Path, *args: str, flags: tuple = ()) -> tuple[subprocess.CompletedProcess, float]:
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "3", "--recovery-path",
+                           str(out / "recovery"), *flags, str(script), *args],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=200)
+    (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return proc, time.monotonic() - t0
+
+
+def line_of(text: str) -> int:
+    return next(i for i, ln in enumerate(DESYNC_JOB.read_text().splitlines(), 1) if text in ln)
+
+
+# mode -> the two calls the verdict must name
+CALLS = {
+    "op": ("dist.broadcast(flag, 0)", "dist.all_reduce(flag)"),  # gloo waits until its timeout
+    "shape": ("dist.all_reduce(flag)", "dist.all_reduce(flag)"),  # gloo aborts a rank (SIGABRT) at once
+    "skip": ("loss.backward()", "dist.all_reduce(flag)"),  # rank 1's next step pairs with the flag's call
+    "end": ("loss.backward()", None),  # rank 1 ran its script to the end while the others wait
+}
+
+
+@pytest.mark.parametrize("mode", list(CALLS))
+def test_collectives_that_do_not_match_end_the_job_naming_both_calls(tmp_path, mode):
+    proc, took = run(tmp_path, DESYNC_JOB, mode, str(tmp_path))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_DESYNC, log[-4000:]
+    assert "rank 0: done" not in log and "rank 2: done" not in log  # they never went on as if nothing happened
+    desyncs = [e for e in events(tmp_path) if e["event"] == "desync"]
+    assert len(desyncs) == 1 and desyncs[0]["action"] == "end", desyncs
+    mismatch_at = float((tmp_path / "mismatch_at").read_text())
+    assert desyncs[0]["ts"] - mismatch_at < 10, f"declared {desyncs[0]['ts'] - mismatch_at:.1f} s after the mismatch"
+    for call in CALLS[mode]:
+        if call is not None:
+            assert f"desync.py:{line_of(call)}" in desyncs[0]["detail"], (call, desyncs[0]["detail"])
+    if mode == "end":
+        assert "has run its script to the end" in desyncs[0]["detail"]
+    assert "trainguard: desync: the ranks called collectives that do not match" in proc.stderr
+    assert "Likely cause" in proc.stderr
+
+
+def test_a_rank_stuck_in_its_own_code_is_replaced_and_the_job_ends_bit_identical(tmp_path):
+    want, _ = run(tmp_path / "uninterrupted", HANG_JOB, str(tmp_path / "uninterrupted" / "final"))
+    assert want.returncode == 0, want.stderr[-3000:]
+    proc, took = run(tmp_path / "hung", HANG_JOB, str(tmp_path / "hung" / "final"), "stuck",
+                     flags=("--hang-timeout", "3"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "this worker is hung: rank 1 made no progress" in proc.stderr
+    assert "in stuck_in_user_code" in proc.stderr  # its own stack, from faulthandler
+    assert [e["rank"] for e in events(tmp_path / "hung") if e["event"] == "hang_detected"] == [1]
+    assert "recovery 1:" in proc.stdout
+    assert took < 90  # the sleep was 600 s
+    for r in range(3):
+        assert_identical(torch.load(tmp_path / "hung" / "final" / f"rank_{r}.pt", weights_only=True),
+                         torch.load(tmp_path / "uninterrupted" / "final" / f"rank_{r}.pt", weights_only=True),
+                         f"rank {r}")
+
+
+def test_without_a_hang_timeout_a_slow_rank_is_left_alone():
+    """Hang detection is off by default: a rank computing for long while its peers wait is no fault."""
+    waits = {0: point(seq=3, for_s=100.0)}
+    assert find_hang({1: 1000.0}, waits, None, 3.0) is None
+    assert find_hang({1: 1000.0}, waits, 600.0, 3.0) == (1, 1000.0)
+    assert find_hang({1: 10.0}, waits, 600.0, 3.0) is None
+    assert find_hang({1: 1000.0}, {}, 600.0, 3.0) is None  # nobody waits for it
+
+
+# --- the decisions (pure) --------------------------------------------------------------------------------
+
+
+def point(seq: int, op: str = "all_reduce", shape: str = "float32[4]", group: str = "", for_s: float = 5.0,
+          generation: int = 1, site: str = "train.py:10") -> Waiting:
+    return Waiting(generation=generation, group=group, seq=seq, op=op, shape=shape, site=site, for_s=for_s)
+
+
+def test_ranks_at_the_same_collective_agree_and_a_moment_apart_are_no_desync():
+    assert find_desync({0: point(7), 1: point(7), 2: point(7)}, [], 3.0) is None
+    assert find_desync({0: point(7, for_s=1.0), 1: point(8, for_s=0.5)}, [], 3.0) is None  # a race, not yet a wait
+    assert find_desync({0: point(7, group="1"), 1: point(9, group="2")}, [], 3.0) is None  # other groups
+    assert find_desync({0: point(7, generation=1), 1: point(9, generation=2)}, [], 3.0) is None
+    uneven = {0: point(4, op="all_to_all_single", shape=""), 1: point(4, op="all_to_all_single", shape="")}
+    assert find_desync(uneven, [], 3.0) is None
+
+
+def test_another_op_another_shape_a_skipped_call_and_an_ended_script_are_desyncs():
+    op = find_desync({0: point(7), 1: point(7, op="broadcast", site="train.py:12")}, [], 3.0)
+    assert op is not None and op.ranks == (0, 1) and "train.py:10" in op.text and "train.py:12" in op.text
+    assert mismatch({1: point(7, shape="float32[8]", for_s=0.0), 2: point(7, for_s=0.0)}) is not None  # failures
+    skipped = find_desync({0: point(7), 2: point(8)}, [], 3.0)
+    assert skipped is not None and "skipped" in skipped.text
+    ended = find_desync({0: point(13), 1: point(13, op=END_OF_SCRIPT, shape="")}, [], 3.0)
+    assert ended is not None and "run its script to the end" in ended.text
+    finished = find_desync({0: point(13)}, [1], 3.0)
+    assert finished is not None and "finished" in finished.text
+
+
+def test_a_hostile_wait_report_is_refused():
+    from pydantic import ValidationError
+
+    for bad in (dict(site="a\nforged line"), dict(seq=-1), dict(for_s=float("nan")), dict(op="x" * 1000)):
+        with pytest.raises(ValidationError):
+            Waiting(**{**point(1).model_dump(), **bad})

@@ -1,0 +1,121 @@
+"""The scheduler's watch over desyncs and hangs: it keeps what each rank last said it waits in, asks the pure
+decisions of waits.py, and carries their verdicts out.
+
+- A desync seen after a recovery (the ranks may have come back disagreeing) is repaired once by a rewind of
+  every rank; seen again at the same step, or with no recovery before it, it ends the job: the root cause
+  names both ranks' calls, the event is `desync`, and every process exits EXIT_DESYNC. The generation is
+  moved on in both cases, so ranks blocked in the mismatched collectives are cut loose at once
+  (their heartbeat threads cut the group) instead of at the backend's timeout.
+- A hang (TG_HANG_TIMEOUT, `--hang-timeout`; off by default) is told to the hung worker in its next
+  heartbeat's reply: it prints its stacks and kills itself (worker/hang.py), and is replaced as a dead
+  worker is.
+
+A failure report's collective is kept per generation: two survivors of an abort (gloo ends a rank at once on
+a size mismatch) that failed at the same collective number with other calls show the desync there.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import membership as m
+from .msgbase import for_log
+from .waits import ADVICE, Desync, Waiting, find_desync, find_hang, mismatch
+
+log = logging.getLogger("trainguard.scheduler")
+
+SETTLE_S = 3.0  # a wait this long at mismatched collectives is no race: ranks a moment apart never look so
+
+
+class Watch:
+    def __init__(self, scheduler, hang_timeout: float | None, heartbeat_interval: float):
+        self.s = scheduler
+        self.hang_timeout = hang_timeout
+        self.settle = max(SETTLE_S, 3 * heartbeat_interval)
+        self.waits: dict[int, Waiting] = {}  # rank -> the collective it waits in (current generation only)
+        self.idle: dict[int, float] = {}  # rank -> seconds without progress, as its last heartbeat said
+        self.failed: dict[int, Waiting] = {}  # rank -> the collective that failed, in generation `failed_gen`
+        self.failed_gen = -1
+        self.hung: dict[tuple[str, int], str] = {}  # (node id, incarnation) -> why it is hung (told in its next
+        # heartbeat's reply; its replacement is another incarnation)
+        self.repaired_at: int | None = None  # the job step of the last repair by a rewind
+        self.declared: Desync | None = None  # the desync that ended the job
+
+    # --- inputs ---------------------------------------------------------------------------
+
+    def beat(self, node: m.Node, waiting: Waiting | None, idle: float | None) -> str:
+        """A member's heartbeat; returns why it is hung ("" if it is not)."""
+        c = self.s.cluster
+        if waiting is not None and waiting.generation == c.generation and c.formed:
+            self.waits[node.rank] = waiting
+        else:
+            self.waits.pop(node.rank, None)
+        if idle is not None:
+            self.idle[node.rank] = idle
+        return self.hung.get((node.node_id, node.incarnation), "")
+
+    def failure(self, node: m.Node, at: Waiting | None) -> None:
+        """A survivor's collective failed at `at`."""
+        if at is None:
+            return
+        if at.generation != self.failed_gen:
+            self.failed, self.failed_gen = {}, at.generation
+        self.failed[node.rank] = at
+        found = mismatch(self.failed)
+        if found is not None:
+            self.failed = {}
+            self.desync(found, "their failed collectives")
+
+    def forget(self, rank: int) -> None:
+        """A member left (dead or finished): what it said no longer stands."""
+        self.waits.pop(rank, None)
+        self.idle.pop(rank, None)
+
+    # --- the scan (the scheduler's monitor) -------------------------------------------------------
+
+    def check(self) -> None:
+        c = self.s.cluster
+        if c.job is not m.JobState.RUNNING or not c.formed:
+            return
+        alive = {n.rank for n in c.alive()}
+        waits = {r: w for r, w in self.waits.items() if r in alive and w.generation == c.generation}
+        finished = sorted(n.rank for n in c.nodes.values() if n.state is m.NodeState.FINISHED)
+        found = find_desync(waits, finished, self.settle)
+        if found is not None:
+            self.desync(found, "their waits")
+            return
+        hang = find_hang({r: s for r, s in self.idle.items() if r in alive}, waits, self.hang_timeout, self.settle)
+        if hang is not None:
+            rank, seconds = hang
+            node = c.by_rank().get(rank)
+            if node is not None and (node.node_id, node.incarnation) not in self.hung:
+                why = (f"rank {rank} made no progress (no collective, step or batch) for {seconds:.0f} s while "
+                       f"its peers wait for it (hang timeout {self.hang_timeout:g} s)")
+                self.hung[(node.node_id, node.incarnation)] = why
+                log.warning("%s; it prints its stacks and is replaced", why)
+                self.s.events.emit("hang_detected", node=node.node_id, rank=rank, idle_s=round(seconds, 1),
+                                   generation=c.generation)
+
+    # --- verdicts -------------------------------------------------------------------------------
+
+    def desync(self, found: Desync, seen_in: str) -> None:
+        c = self.s.cluster
+        if c.job is not m.JobState.RUNNING:
+            return
+        step = self.s.view.job_step()
+        repair = found.generation > 1 and self.repaired_at != step  # after a recovery: once per step
+        text = f"desync: {found.text}"
+        self.s.events.emit("desync", ranks=list(found.ranks), detail=text[-1000:], generation=c.generation,
+                           step=step, action="rewind" if repair else "end", seen_in=seen_in)
+        if repair:
+            self.repaired_at = step
+            log.warning("%s; a recovery came before it, so every rank goes back to its last commit once",
+                        for_log(text))
+        else:
+            self.declared = found
+            c.job, c.root_cause = m.JobState.FAILED, f"{text}. Likely cause: {ADVICE}"
+            log.error("%s; the job ends (a bug in the script is never healed as a fault)", for_log(text))
+        self.waits.clear()
+        m.bump_generation(c)  # the ranks blocked in those collectives are cut loose now (their heartbeats say so)
+        self.s.persist()
+        self.s.notify()
