@@ -26,7 +26,8 @@ JOB = REPO / "tests" / "jobs" / "dp_job.py"
 # the GIL (torch's C code holds it in places) on a 2-core machine busy with other work was declared hung and
 # killed, in a run without a fault (issue "A test suite that holds under load")
 FAST = {"TG_HEARTBEAT_INTERVAL": "0.2", "TG_HEARTBEAT_TIMEOUT": "5", "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1", "TG_FAULT": ""}
+        "PYTHONUNBUFFERED": "1", "TG_FAULT": "",
+        "TG_EXACT": "strict"}  # every test job runs under the replay audit's strict mode: a false alarm fails it
 
 
 RESTARTING_FAULTS = ("kill", "stop", "raise", "collective")  # TG_FAULT kinds after which a worker may be replaced

@@ -40,6 +40,8 @@ HEARTBEAT_TIMEOUT_ENV = "TG_HEARTBEAT_TIMEOUT"
 CONNECT_TIMEOUT_ENV = "TG_CONNECT_TIMEOUT"
 JOIN_TIMEOUT_ENV = "TG_JOIN_TIMEOUT"
 COLLECTIVE_TIMEOUT_ENV = "TG_COLLECTIVE_TIMEOUT"
+EXACT_ENV = "TG_EXACT"  # the replay audit (train/engine/audit.py): warn (default), strict or off
+EXACT_MODES = ("warn", "strict", "off")
 HANG_TIMEOUT_ENV = "TG_HANG_TIMEOUT"  # seconds without progress while peers wait before a worker is replaced; 0 = off
 BACKEND_ENV = "TG_BACKEND"
 LOCAL_RANK_ENV = "TG_LOCAL_RANK"
@@ -112,6 +114,7 @@ class ClusterConfig:
     join_timeout: float = DEFAULT_JOIN_TIMEOUT_S
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     hang_timeout: float | None = None  # TG_HANG_TIMEOUT (control/waits.py); None: off
+    exact: str = "warn"  # TG_EXACT: what a replayed step that differs from its first run leads to (audit.py)
     backend: str = "auto"
     local_rank: int | None = None
     flap_limit: int = DEFAULT_FLAP_LIMIT
@@ -198,6 +201,14 @@ def env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def exact_mode(raw: str, source: str) -> str:
+    mode = raw.strip().lower() or "warn"
+    if mode not in EXACT_MODES:
+        raise ConfigError(f"{source}={raw!r}: expected one of {', '.join(EXACT_MODES)} (what a step replayed after a "
+                          "fault that differs from its first run leads to)")
+    return mode
+
+
 def hang_timeout(env: Mapping[str, str]) -> float | None:
     """TG_HANG_TIMEOUT: seconds, or unset/0/off for none."""
     raw = env.get(HANG_TIMEOUT_ENV, "").strip().lower()
@@ -260,6 +271,7 @@ def _common(env: Mapping[str, str]) -> dict:
         join_timeout=env_seconds(env, JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S),
         collective_timeout=env_seconds(env, COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S),
         hang_timeout=hang_timeout(env),
+        exact=exact_mode(env.get(EXACT_ENV, ""), EXACT_ENV),
         backend=env.get(BACKEND_ENV, "auto").strip().lower() or "auto",
         local_rank=parse_int(LOCAL_RANK_ENV, local, lo=0) if local else None,
         flap_limit=parse_int(FLAP_LIMIT_ENV, flap, lo=1) if flap else DEFAULT_FLAP_LIMIT,

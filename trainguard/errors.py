@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .exitcodes import EXIT_DESYNC, EXIT_NOT_EXACT
+
 
 class TrainguardError(Exception):
     """Base of every error trainguard raises on purpose."""
@@ -48,11 +50,22 @@ class RendezvousTimeout(TrainguardError, TimeoutError):
 
 
 class ClusterFailed(TrainguardError):
-    """The job failed for good; the message carries the root cause."""
+    """The job failed for good; the message carries the root cause. `verdict`: the exit code of a verdict on the
+    script that ended it (a desync, a replay that differed), None for a fault."""
+
+    verdict: int | None = None
 
 
 class DesyncDetected(ClusterFailed):
     """The job ended because its ranks called collectives that do not match (control/waits.py): a script bug."""
+
+    verdict = EXIT_DESYNC
+
+
+class NotExact(ClusterFailed):
+    """Under `--exact strict`, the job ended because a replayed step differed from its first run (audit.py)."""
+
+    verdict = EXIT_NOT_EXACT
 
 
 class GenerationChanged(TrainguardError):

@@ -14,6 +14,8 @@
     79   EXIT_DESYNC       the ranks called collectives that do not match (another operation, another shape,
                            one rank skipping a call): a bug in the script, which a restart would meet
                            again, so the job ends (control/waits.py). trainguard's own code, outside sysexits.h
+    80   EXIT_NOT_EXACT    under `--exact strict`: a step replayed after a fault differed from its first run
+                           (train/engine/audit.py); the committed state's dying gasp was saved
 
 The launcher exits with EXIT_PREEMPTED when its workers did, and otherwise with the root
 cause's own exit code (1 for a signal) or 128 + N when signal N stopped it.
@@ -25,3 +27,8 @@ EXIT_PREEMPTED = 75
 EXIT_FAULT_STOP = 76
 EXIT_CONFIG_ERROR = 78  # EX_CONFIG: a deterministic error in a worker's script; never restarted
 EXIT_DESYNC = 79  # the ranks called collectives that do not match: a script bug; never restarted
+EXIT_NOT_EXACT = 80  # --exact strict: a replayed step differed from its first run (train/engine/audit.py)
+VERDICTS = {EXIT_DESYNC: "desync: the ranks called collectives that do not match, a bug in the script that a restart "
+                        "would meet again",
+            EXIT_NOT_EXACT: "not bit-identical: a step replayed after a fault differed from its first run "
+                            "(--exact strict)"}  # exit codes of verdicts on the script: never restarted

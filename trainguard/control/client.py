@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ..errors import (
     ClusterFailed,
     DesyncDetected,
+    NotExact,
     FencedError,
     ProtocolError,
     RegistrationRejected,
@@ -121,6 +122,8 @@ def raise_for(reply, what: str):
             raise ClusterFailed(f"{what}: {reply.message}")
         if reply.code is p.ErrorCode.DESYNC:
             raise DesyncDetected(f"{what}: {reply.message}")
+        if reply.code is p.ErrorCode.NOT_EXACT:
+            raise NotExact(f"{what}: {reply.message}")
         if reply.code is p.ErrorCode.BAD_MESSAGE:
             raise ProtocolError(f"{what}: {reply.message}")
         raise RegistrationRejected(f"{what}: {reply.message}", code=reply.code.value, retry=reply.retry)

@@ -72,6 +72,7 @@ class ErrorCode(str, enum.Enum):
     TIMEOUT = "timeout"
     JOB_OVER = "job_over"  # the job has finished or failed
     DESYNC = "desync"  # the job ended on a desync: the ranks called collectives that do not match (waits.py)
+    NOT_EXACT = "not_exact"  # --exact strict: the job ended because a replayed step differed (train/engine/audit.py)
     UNKNOWN_NODE = "unknown_node"
 
 
@@ -81,6 +82,7 @@ class FailureKind(str, enum.Enum):
     HEARTBEAT = "heartbeat"  # no heartbeat within the timeout (hang, SIGSTOP)
     COLLECTIVE = "collective"  # a survivor's collective failed
     EXCEPTION = "exception"  # the worker raised and gave up
+    NOT_EXACT = "not_exact"  # --exact strict: a step it replayed differed from its first run (the job ends)
 
 
 # --- requests -------------------------------------------------------------------

@@ -17,7 +17,7 @@ from collections import Counter
 
 from ..config import ClusterConfig, check_recovery_path
 from ..errors import ClusterStateError, ConfigError
-from ..exitcodes import EXIT_DESYNC, EXIT_JOB_FAILED, EXIT_PREEMPTED
+from ..exitcodes import EXIT_JOB_FAILED, EXIT_PREEMPTED
 from ..obs.events import EventLog
 from . import auth, tls
 from . import membership as m
@@ -165,7 +165,7 @@ class Scheduler:
             self.commits.flush()
             self.db.close()
         return {m.JobState.DONE: 0, m.JobState.STOPPED: EXIT_PREEMPTED, m.JobState.RUNNING: EXIT_PREEMPTED}.get(
-            job, EXIT_DESYNC if self.watch.declared else EXIT_JOB_FAILED)
+            job, self.watch.verdict or EXIT_JOB_FAILED)
 
     def _nobody_left(self) -> bool:
         """The job is over or no worker is alive: after a stop signal, no one is left to serve."""
@@ -276,8 +276,7 @@ class Scheduler:
         if self.cluster.job is m.JobState.RUNNING:
             return None
         why = self.cluster.root_cause or "all workers finished"
-        code = p.ErrorCode.DESYNC if self.watch.declared else p.ErrorCode.JOB_OVER
-        return p.Error(code=code, message=f"the job is {self.cluster.job.value}: {why}")
+        return p.Error(code=self.watch.error_code(), message=f"the job is {self.cluster.job.value}: {why}")
 
     # --- membership requests ---------------------------------------------------------
 
@@ -349,6 +348,9 @@ class Scheduler:
         node = self.current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node
+        if req.kind is p.FailureKind.NOT_EXACT:  # --exact strict: a replayed step differed; the job ends
+            self.watch.not_exact(node, req.detail)
+            return p.Ok()
         self.watch.failure(node, req.at)  # two survivors failed in mismatched collectives: a desync
         if req.kind is p.FailureKind.COLLECTIVE and req.generation != self.cluster.generation:
             return p.Ok()  # that generation is already over

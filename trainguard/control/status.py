@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import durable
 from ..obs.events import EventTail
-from ..obs.timeline import build
+from ..obs.timeline import build, verdict_line
 from . import membership as m
 from .msgbase import INT64_MAX
 
@@ -37,6 +37,7 @@ class JobView:
         self.samples: deque[tuple[float, int]] = deque()  # (time, job step), at most one a second
         self.steps_done = 0  # steps finished, counting those redone after a recovery (monotonic)
         self._recoveries: list[dict] = []
+        self._verdicts: list[str] = []  # replay mismatches, desyncs, hangs (obs/timeline.verdict_line)
         self._tail_size = -1
         self.snapshot: dict[str, Any] = {}  # the latest published view (read by the metrics thread)
         self._published = 0.0
@@ -97,6 +98,7 @@ class JobView:
                                  "lost_steps": r.lost_steps, "to_step": r.to_step, "sources": r.sources,
                                  "phases": {p.name: round(p.seconds, 4) for p in r.phases}}
                                 for r in tl.recoveries]
+            self._verdicts = [verdict_line(e) for e in tl.verdicts]
         return self._recoveries
 
     def status(self, c: m.Cluster, now: float) -> dict[str, Any]:
@@ -114,6 +116,7 @@ class JobView:
                     uptime_s=round(now - self.started, 1), step=self.samples[-1][1] if self.samples else None,
                     step_rate=round(rate, 3) if rate is not None else None, steps_done=self.steps_done,
                     spares={str(a): n for a, n in sorted(self.tail.spares.items())}, recoveries=self.recoveries(),
+                    verdicts=self._verdicts,
                     checkpoints=list(self.tail.checkpoints))
 
     def tick(self, c: m.Cluster, now: float) -> None:

@@ -6,6 +6,8 @@ decisions of waits.py, and carries their verdicts out.
   names both ranks' calls, the event is `desync`, and every process exits EXIT_DESYNC. The generation is
   moved on in both cases, so ranks blocked in the mismatched collectives are cut loose at once
   (their heartbeat threads cut the group) instead of at the backend's timeout.
+- A replay that differed from its first run, under `--exact strict` (train/engine/audit.py), ends the job
+  the same way, with EXIT_NOT_EXACT.
 - A hang (TG_HANG_TIMEOUT, `--hang-timeout`; off by default) is told to the hung worker in its next
   heartbeat's reply: it prints its stacks and kills itself (worker/hang.py), and is replaced as a dead
   worker is.
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import logging
 
+from ..exitcodes import EXIT_DESYNC, EXIT_NOT_EXACT
 from . import membership as m
+from . import protocol as p
 from .msgbase import for_log
 from .waits import ADVICE, Desync, Waiting, find_desync, find_hang, mismatch
 
@@ -39,7 +43,7 @@ class Watch:
         self.hung: dict[tuple[str, int], str] = {}  # (node id, incarnation) -> why it is hung (told in its next
         # heartbeat's reply; its replacement is another incarnation)
         self.repaired_at: int | None = None  # the job step of the last repair by a rewind
-        self.declared: Desync | None = None  # the desync that ended the job
+        self.verdict: int | None = None  # the exit code of the verdict that ended the job (EXIT_DESYNC, EXIT_NOT_EXACT)
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -111,11 +115,31 @@ class Watch:
             self.repaired_at = step
             log.warning("%s; a recovery came before it, so every rank goes back to its last commit once",
                         for_log(text))
+            self._move_on()
         else:
-            self.declared = found
-            c.job, c.root_cause = m.JobState.FAILED, f"{text}. Likely cause: {ADVICE}"
             log.error("%s; the job ends (a bug in the script is never healed as a fault)", for_log(text))
+            self.end(EXIT_DESYNC, f"{text}. Likely cause: {ADVICE}")
+
+    def not_exact(self, node: m.Node, detail: str) -> None:
+        """Under --exact strict, `node` replayed a step that differed from its first run (train/engine/audit.py)."""
+        if self.s.cluster.job is m.JobState.RUNNING:
+            log.error("rank %d: %s; the job ends (--exact strict)", node.rank, for_log(detail))
+            self.end(EXIT_NOT_EXACT, f"rank {node.rank}: {detail}")
+
+    def end(self, verdict: int, root_cause: str) -> None:
+        """End the job on a verdict about the script; every process exits `verdict`."""
+        c = self.s.cluster
+        self.verdict = verdict
+        c.job, c.root_cause = m.JobState.FAILED, root_cause
+        self._move_on()
+
+    def error_code(self) -> p.ErrorCode:
+        """What a request gets once the job is over."""
+        return {EXIT_DESYNC: p.ErrorCode.DESYNC, EXIT_NOT_EXACT: p.ErrorCode.NOT_EXACT}.get(self.verdict,
+                                                                                            p.ErrorCode.JOB_OVER)
+
+    def _move_on(self) -> None:
         self.waits.clear()
-        m.bump_generation(c)  # the ranks blocked in those collectives are cut loose now (their heartbeats say so)
+        m.bump_generation(self.s.cluster)  # ranks blocked in a collective are cut loose now (their heartbeats say so)
         self.s.persist()
         self.s.notify()

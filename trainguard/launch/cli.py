@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..config import (
+    EXACT_ENV,
+    EXACT_MODES,
     INSECURE_ENV,
     RECOVERY_PATH_ENV,
     ROLE_ENV,
@@ -26,6 +28,7 @@ from ..config import (
     WORKER_NUM_ENV,
     Role,
     check_recovery_path,
+    exact_mode,
     from_env,
 )
 from ..errors import CheckpointError, ConfigError
@@ -93,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--grace-period", dest="grace_period", type=float,
                      help="seconds from SIGTERM/SIGINT/SIGUSR1 to SIGKILL, for the dying-gasp checkpoint "
                           "(default TG_GRACE_PERIOD, else 10)")
+    run.add_argument("--exact", choices=EXACT_MODES,
+                     help="a step replayed after a fault that differs from its first run: warn (say so), strict (end "
+                          "the job, exit 80), off (no audit) (default TG_EXACT, else warn)")
     run.add_argument("--hang-timeout", dest="hang_timeout", type=float,
                      help="seconds a worker may make no progress (no step, collective or batch) while its peers wait "
                           "for it before its stacks are printed and it is replaced (default TG_HANG_TIMEOUT, else off)")
@@ -216,7 +222,8 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
                       max_restarts=args.max_restarts, restart_rate=restart_rate(args, env),
                       hot_spares=_hot_spares(args), recover_strategy=strategy,
                       grace_s=grace, slots=args.slots or 0, placement=placement_policy(args, env),
-                      metrics_port=args.metrics_port, hang_timeout=resolve_hang_timeout(args, env))
+                      metrics_port=args.metrics_port, hang_timeout=resolve_hang_timeout(args, env),
+                      exact=exact_mode(args.exact or env.get(EXACT_ENV, ""), "--exact" if args.exact else EXACT_ENV))
     if not Path(args.script).is_file():
         raise ConfigError(f"script {args.script!r} not found")
     host_env, port_env = _first(env, SCHED_HOST_ENV), _first(env, SCHED_PORT_ENV)

@@ -10,6 +10,7 @@
     max_retries: 3
     grace_period: 30                                   # seconds from SIGTERM to SIGKILL
     hang_timeout: 600                                  # no progress this long while peers wait: replaced
+    exact: strict                                      # a replayed step that differs ends the job (warn, off)
     recovery_path: /shared/job42/recovery
     ssl_config: /shared/tls/ssl.json                   # TLS; passwords from TG_SERVER/CLIENT_PASSWORD(_FILE)
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Mapping
+from typing import Literal, Mapping
 
 from pydantic import (
     AliasChoices,
@@ -81,6 +82,7 @@ class JobFile(BaseModel):
     max_retries: int | None = Field(None, ge=0)
     grace_period: float | None = Field(None, gt=0)
     hang_timeout: float | None = Field(None, ge=0)  # 0: off
+    exact: Literal["warn", "strict", "off"] | None = None  # the replay audit (train/engine/audit.py)
     slots: int | None = Field(None, ge=1)  # recover: this host's capacity
     host_fail_limit: int | None = Field(None, ge=1)
     host_fail_window: float | None = Field(None, gt=0)

@@ -99,9 +99,10 @@ def render_status(st: dict) -> str:
     if st.get("root_cause"):
         lines.append(f"root cause: {st['root_cause']}")
     rows = [[str(n["rank"]), n["node_id"], n["host"], str(n["pid"]), str(n["incarnation"]), n["state"],
-             "-" if n.get("step") is None else str(n["step"]), _age(n.get("heartbeat_age_s"))]
-            for n in st["nodes"]]
-    lines += ["", table(["rank", "node", "host", "pid", "incarnation", "state", "step", "heartbeat"], rows)]
+             "-" if n.get("step") is None else str(n["step"]), _age(n.get("heartbeat_age_s")),
+             _age(n.get("idle_s")), n.get("waiting") or "-"] for n in st["nodes"]]
+    lines += ["", table(["rank", "node", "host", "pid", "incarnation", "state", "step", "heartbeat", "progress",
+                         "waits in"], rows)]
     recs = st.get("recoveries") or []
     lines += ["", f"recoveries: {len(recs)}"]
     for r in recs:
@@ -111,6 +112,8 @@ def render_status(st: dict) -> str:
         lines.append(f"  #{r['index']} at {at}: rank {', '.join(str(x) for x in r['ranks']) or '?'} ({r['cause']}) "
                      f"-> generation {r['generation']}, {mttr}, lost {lost} steps, from "
                      f"{', '.join(r.get('sources') or []) or '-'}")
+    for line in st.get("verdicts") or []:  # replay mismatches, desyncs, hangs (obs/timeline.verdict_line)
+        lines.append(f"  {line}")
     return "\n".join(lines)
 
 

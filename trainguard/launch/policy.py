@@ -16,32 +16,15 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..config import (
-    DEFAULT_GRACE_PERIOD_S,
-    ELASTIC_DEADLINE_ENV,
-    ENABLE_RECOVERY_ENV,
-    GRACE_PERIOD_ENV,
-    HANG_TIMEOUT_ENV,
-    JOB_SECRET_ENV,
-    JOB_SECRET_FILE_ENV,
-    LOCAL_RANK_ENV,
-    MAX_RETRIES_ENV,
-    MAX_SLOTS,
-    MAX_WORKER_NUM,
-    METRICS_PORT_ENV,
-    NODE_ID_ENV,
-    RECOVER_STRATEGY_ENV,
-    RECOVERY_PATH_ENV,
-    ROLE_ENV,
-    SCHED_HOST_ENV,
-    SCHED_PORT_ENV,
-    TERMINAL_ENV,
-    WORKER_NUM_ENV,
-    Role,
+    DEFAULT_GRACE_PERIOD_S, ELASTIC_DEADLINE_ENV, ENABLE_RECOVERY_ENV, EXACT_ENV, GRACE_PERIOD_ENV,
+    HANG_TIMEOUT_ENV, JOB_SECRET_ENV, JOB_SECRET_FILE_ENV, LOCAL_RANK_ENV, MAX_RETRIES_ENV, MAX_SLOTS,
+    MAX_WORKER_NUM, METRICS_PORT_ENV, NODE_ID_ENV, RECOVER_STRATEGY_ENV, RECOVERY_PATH_ENV, ROLE_ENV,
+    SCHED_HOST_ENV, SCHED_PORT_ENV, TERMINAL_ENV, WORKER_NUM_ENV, Role,
 )
 from ..control.auth import worker_secret
 from ..control.placement import PlacementPolicy
 from ..errors import ConfigError
-from ..exitcodes import EXIT_CONFIG, EXIT_CONFIG_ERROR, EXIT_DESYNC, EXIT_FAULT_STOP, EXIT_JOB_FAILED, EXIT_PREEMPTED
+from ..exitcodes import EXIT_CONFIG, EXIT_CONFIG_ERROR, EXIT_FAULT_STOP, EXIT_JOB_FAILED, EXIT_PREEMPTED, VERDICTS
 from ..signals import signal_name
 from ..strategies import DEFAULT_STRATEGY, RecoverStrategy, parse_strategy
 from .budget import CRASH_LOOP_ADVICE, DEFAULT_MAX_RESTARTS, RestartRate
@@ -90,8 +73,8 @@ def decide_exit(role: Role, returncode: int, restarts_used: int, max_restarts: i
         return Decision(Action.GIVE_UP, "the scheduler rejected its configuration; a restart cannot help")
     if role is Role.SCHEDULER and returncode == EXIT_JOB_FAILED:
         return Decision(Action.GIVE_UP, "the scheduler ended the job as failed")
-    if returncode == EXIT_DESYNC:  # a bug in the script: a restart would meet it again
-        return Decision(Action.GIVE_UP, "the ranks called collectives that do not match (a desync)")
+    if returncode in VERDICTS:  # a verdict on the script (a desync, a replay that differed): no restart changes it
+        return Decision(Action.GIVE_UP, VERDICTS[returncode])
     if role is Role.SCHEDULER and returncode == EXIT_PREEMPTED:
         return Decision(Action.FINISHED, "the scheduler ended the job as stopped")
     if role is Role.WORKER and returncode == EXIT_PREEMPTED:
@@ -130,9 +113,8 @@ def job_exit_code(root: Failure, last: Failure) -> int:
     """The agent's exit code when `last` ended the job: 78 if it was a deterministic error, else the root cause's."""
     if last.role is Role.WORKER and last.returncode == EXIT_CONFIG_ERROR:
         return EXIT_CONFIG_ERROR
-    if EXIT_DESYNC in (last.returncode, root.returncode):
-        return EXIT_DESYNC
-    return exit_code_for(root.returncode)
+    verdict = next((c for c in (last.returncode, root.returncode) if c in VERDICTS), None)
+    return verdict or exit_code_for(root.returncode)
 
 
 def signal_exit_code(signum: int) -> int:
@@ -171,9 +153,9 @@ def failure_summary(root: Failure, restarts_used: int, last: Failure | None = No
         root = end
     elif root.role is Role.SCHEDULER and root.returncode == EXIT_JOB_FAILED:
         head = f"trainguard: the scheduler (pid {root.pid}) ended the job as failed; its last lines give the root cause"
-    elif EXIT_DESYNC in (root.returncode, end.returncode):
-        head = (f"trainguard: desync: the ranks called collectives that do not match, a bug in the script that a "
-                f"restart would meet again (exit code {EXIT_DESYNC}); the scheduler's last lines name both calls")
+    elif root.returncode in VERDICTS or end.returncode in VERDICTS:
+        code = end.returncode if end.returncode in VERDICTS else root.returncode
+        head = f"trainguard: {VERDICTS[code]} (exit code {code}); the scheduler's last lines say where"
     elif restarts_used:
         plural = "restart" if restarts_used == 1 else "restarts"
         head = f"trainguard: giving up after {restarts_used} {plural}; root cause: {root.describe()}"
@@ -246,6 +228,7 @@ class LaunchSpec:
     log_dir: Path | None = None
     grace_s: float = DEFAULT_GRACE_S  # --grace-period / TG_GRACE_PERIOD: signal -> dying-gasp save -> SIGKILL
     hang_timeout: float | None = None  # --hang-timeout / TG_HANG_TIMEOUT (control/waits.py); None: off
+    exact: str = "warn"  # --exact / TG_EXACT: the replay audit (train/engine/audit.py)
     sched_exit_wait_s: float = DEFAULT_SCHED_EXIT_WAIT_S
     recover_strategy: RecoverStrategy = _DEFAULT_STRATEGY
     slots: int = 0  # recover: workers this host can run (--slots); 0 = its own worker count
@@ -342,6 +325,7 @@ def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[
     env[MAX_RETRIES_ENV] = str(spec.recover_strategy.max_retries)
     env[ELASTIC_DEADLINE_ENV] = f"{spec.recover_strategy.elastic_deadline:g}"
     env[HANG_TIMEOUT_ENV] = f"{spec.hang_timeout:g}" if spec.hang_timeout else "0"
+    env[EXACT_ENV] = spec.exact
     env.pop(JOB_SECRET_FILE_ENV, None)
     secret = spec.secret if spec.secret is None or role is Role.SCHEDULER else worker_secret(spec.secret)
     set_env(env, JOB_SECRET_ENV, secret.decode() if secret is not None else None)  # a worker's: control/auth.py

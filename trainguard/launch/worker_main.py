@@ -48,8 +48,8 @@ import traceback
 from typing import NoReturn
 
 from .. import rewinding, signals
-from ..errors import ClusterFailed, ConfigError, DesyncDetected, Rewind
-from ..exitcodes import EXIT_CONFIG_ERROR, EXIT_DESYNC, EXIT_FAULT_STOP
+from ..errors import ClusterFailed, ConfigError, Rewind
+from ..exitcodes import EXIT_CONFIG_ERROR, EXIT_FAULT_STOP
 
 PGINIT, PGINIT_AFTER = "trainguard.worker.pginit", "torch.distributed.distributed_c10d"
 DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (SyntaxError, ImportError, ConfigError)
@@ -159,9 +159,9 @@ def _run_once(script: str) -> bool:
 
 
 def _job_ended(exc: ClusterFailed) -> NoReturn:
-    """The job ended elsewhere (a desync, or the launcher gave up): a consequence here, said in one line."""
+    """The job ended elsewhere (a verdict on the script, or the launcher gave up): a consequence here, in one line."""
     print(f"trainguard: {exc}", file=sys.stderr, flush=True)
-    raise SystemExit(EXIT_DESYNC if isinstance(exc, DesyncDetected) else EXIT_FAULT_STOP) from None
+    raise SystemExit(exc.verdict or EXIT_FAULT_STOP) from None
 
 
 def _fail(script: str, exc: BaseException) -> NoReturn:

@@ -40,6 +40,7 @@ RESTORE_STEP = "restore_step"
 RESTORED = "restored"
 STEP_FINISHED = "step_finished"
 FAULT_INJECTED = "fault_injected"
+REPLAY_MISMATCH = "replay_mismatch"  # a replayed step differed from its first run (train/engine/audit.py)
 _RESERVED = ("ts", "event")
 
 
@@ -195,6 +196,7 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fault = next((e for e in reversed(evs) if e["event"] == FAULT_INJECTED and e["ts"] <= t_fail
                       and e.get("generation") == failed_gen), None)
         t_start = fault["ts"] if fault else t_fail
+        diverged = next((e for e in later if e["event"] == REPLAY_MISMATCH), None)
         from_step = restore.get("from_step") if restore else None
         to_step = restore.get("to_step") if restore else None
         out.append({
@@ -214,6 +216,7 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "to_step": to_step,
             "lost_steps": from_step - to_step if from_step is not None and to_step is not None else None,
             "sources": sorted({str(e["source"]) for e in later if e["event"] == RESTORED and "source" in e}),
+            "diverged": {k: diverged.get(k) for k in ("rank", "step", "forward", "what")} if diverged else None,
         })
     return out
 
@@ -227,8 +230,13 @@ def format_recovery(index: int, rec: dict[str, Any]) -> str:
     mttr = f"{rec['mttr_s']:.3f} s" if rec["mttr_s"] is not None else "n/a (no step finished after)"
     since = "kill" if rec["fault_ts"] is not None else "detection"
     lost = rec["lost_steps"] if rec["lost_steps"] is not None else "?"
+    outcome = f"lost {lost} steps"
+    d = rec.get("diverged")
+    if d:  # the replay audit saw it: no "lost 0 steps" over a result that is no longer the same
+        outcome = (f"NOT bit-identical from step {d['step']} (rank {d['rank']}: the {d['what']} of its training "
+                   f"forward {d['forward']} {'differ' if d['what'] == 'inputs' else 'differs'} from its first run)")
     return (f"trainguard: recovery {index}: {who} -> generation {rec['generation']}, resumed at step "
-            f"{rec['to_step']}, lost {lost} steps, MTTR {mttr} ({since} to the first step finished after)")
+            f"{rec['to_step']}, {outcome}, MTTR {mttr} ({since} to the first step finished after)")
 
 
 class EventTail:
@@ -238,6 +246,7 @@ class EventTail:
     pile up in memory."""
 
     KEPT = frozenset({FAILURE_DETECTED, GENERATION_FORMED, RESTORE_STEP, RESTORED, STEP_FINISHED, FAULT_INJECTED,
+                      REPLAY_MISMATCH, "desync", "hang_detected",
                       "left_generation", "agreed_restore"})
     MAX_READ = 16 << 20  # bytes per update: a huge backlog is read over several updates
 

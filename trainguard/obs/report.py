@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .timeline import PHASES, Recovery, Timeline, summary
+from .timeline import PHASES, Recovery, Timeline, summary, verdict_line
 
 
 def _ms(value: float | None) -> str:
@@ -52,6 +52,9 @@ def render(tl: Timeline) -> str:
                        "it), so detect shows 0 and the total counts from the detection")
     else:
         out += ["", "no recoveries"]
+    if tl.verdicts:
+        out += ["", "verdicts (replay audit, desyncs, hangs):",
+                *(f"  {e['ts'] - tl.t0:.2f} s: {verdict_line(e)}" for e in tl.verdicts)]
     step = f"{1000 * s['step_s']:.1f} ms" if s["step_s"] else "unknown"
     out += ["", f"failures: {s['failures']} ({s['recoveries']} recoveries, {s['unrecovered']} not recovered); "
             f"median step {step}",
@@ -68,4 +71,4 @@ def as_json(tl: Timeline) -> dict[str, Any]:
                             "phases": {p.name: p.seconds for p in r.phases}, "total_s": r.total_s,
                             "mttr_s": r.mttr_s, "from_step": r.from_step, "to_step": r.to_step,
                             "lost_steps": r.lost_steps, "sources": r.sources} for r in tl.recoveries],
-            "checkpoints": tl.checkpoints, "stops": tl.stops, "faults": tl.faults}
+            "checkpoints": tl.checkpoints, "stops": tl.stops, "faults": tl.faults, "verdicts": tl.verdicts}

@@ -89,6 +89,7 @@ class Timeline:
     stops: list[dict]  # ts, rank, step, signal
     progress: list[tuple[float, int]]  # (ts, committed step) samples from rank 0
     lifetimes: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> first, last event naming it
+    verdicts: list[dict] = field(default_factory=list)  # replay mismatches, desyncs and hangs (their events)
 
     @property
     def wall_s(self) -> float:
@@ -156,8 +157,25 @@ def build(events: list[dict[str, Any]]) -> Timeline:
         r = e.get("rank")
         if isinstance(r, int) and r >= 0:
             lifetimes[r] = (lifetimes.get(r, (e["ts"],))[0], e["ts"])
+    verdicts = [e for e in evs if e["event"] in VERDICT_EVENTS]
     return Timeline(evs[0]["ts"], evs[-1]["ts"], ranks, recoveries, sorted(faults, key=lambda f: f["ts"]),
-                    checkpoints, stops, progress, lifetimes)
+                    checkpoints, stops, progress, lifetimes, verdicts)
+
+
+VERDICT_EVENTS = ("replay_mismatch", "desync", "hang_detected")
+
+
+def verdict_line(e: dict) -> str:
+    """One line of `trainguard report` for a replay mismatch (train/engine/audit.py), a desync or a hang
+    (control/waits.py)."""
+    if e["event"] == "replay_mismatch":
+        return (f"NOT bit-identical from step {e.get('step')}: the {e.get('what')} of rank {e.get('rank')}'s training "
+                f"forward {e.get('forward')} {'differ' if e.get('what') == 'inputs' else 'differs'} from its first run "
+                "(replay audit)")
+    if e["event"] == "desync":
+        then = "every rank went back once" if e.get("action") == "rewind" else "the job ended"
+        return f"{e.get('detail', 'desync')} ({then})"
+    return f"rank {e.get('rank')} hung: no progress for {e.get('idle_s')} s while its peers waited; replaced"
 
 
 def step_rate(progress: list[tuple[float, int]]) -> list[tuple[float, float]]:

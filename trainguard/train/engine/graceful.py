@@ -34,7 +34,7 @@ from typing import NoReturn
 
 from ... import signals
 from ...errors import JobStopped
-from ...exitcodes import EXIT_DESYNC, EXIT_FAULT_STOP, EXIT_PREEMPTED
+from ...exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
 from ...signals import ECHO_WINDOW_S, signal_name
 from .dump import DumpResult, dump_targets, write_dying_gasp
 
@@ -112,9 +112,10 @@ def stop_gracefully(session, signum: int) -> NoReturn:
     _leave(session, EXIT_PREEMPTED, reason, result)
 
 
-def stop_on_fault(session, reason: str, *, desync: bool = False) -> NoReturn:
-    """A fault that the recover strategy does not recover from: dump if asked, say goodbye, exit 76. A desync
-    (the ranks' collectives do not match: control/waits.py) always saves its dying gasp, and exits 79."""
+def stop_on_fault(session, reason: str, *, verdict: int | None = None) -> NoReturn:
+    """A fault that the recover strategy does not recover from: dump if asked, say goodbye, exit 76. A verdict on
+    the script (a desync: control/waits.py; a replay that differed: audit.py) always saves the committed state's
+    dying gasp, and exits with its own code."""
     rt, strategy = session.rt, session.strategy
     if hasattr(session.state.model, "drop"):
         session.state.model.drop()
@@ -122,7 +123,7 @@ def stop_on_fault(session, reason: str, *, desync: bool = False) -> NoReturn:
     for saver in session.disk_sources:  # a save waiting for a dead peer's part is left incomplete
         saver.settle(GOODBYE_PATIENCE_S)
     result = None
-    if strategy.dump or desync:
+    if strategy.dump or verdict is not None:
         deadline = session.stop.deadline(rt.cfg.grace_period)
         items, notes = dump_targets(session.capture(), rt, patience=GOODBYE_PATIENCE_S)
         for note in notes:
@@ -137,4 +138,4 @@ def stop_on_fault(session, reason: str, *, desync: bool = False) -> NoReturn:
     print(f"trainguard: rank {rt.rank}: stopping (recover strategy {strategy}): {reason}{saved}",
           file=sys.stderr, flush=True)
     rt.finish(ok=False, detail=f"stopped after a fault ({strategy}): {reason}", patience=GOODBYE_PATIENCE_S)
-    _leave(session, EXIT_DESYNC if desync else EXIT_FAULT_STOP, reason, result)
+    _leave(session, verdict or EXIT_FAULT_STOP, reason, result)

@@ -51,7 +51,9 @@ from ..state import discover
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
 from ..state.shardckpt import ShardedCheckpoints, ShardedSaver
 from ..state.train_state import TrainState
+from . import audit
 from . import rewind as rewind_mod
+from .audit import Audit
 from .session import Session, SessionConfig
 
 log = logging.getLogger("trainguard.guard")
@@ -71,6 +73,7 @@ class Guard:
         self.stateful: dict[str, object] = dict(_pending_state)
         self._armed = None
         self._hooks: list = []  # the forward hooks on a sharded model
+        self.audit = Audit(False)  # the replay audit (audit.py), from the session's start
         self.in_step = False
         self.step_loader: int | None = None  # the loader whose batch began this step
         self.recent_loader: int | None = None  # the last loader a training batch came from since the last commit
@@ -108,12 +111,14 @@ class Guard:
         session.user_loop = True
         session.rewinds = rewinding.available()
         self.session = session
+        self.audit = Audit(rt.cfg.exact != "off" and not rt.cfg.recover_strategy.elastic)  # other batches by design
         if isinstance(model, DataParallel):
             model.on_forward, model.after_forward = self.before_forward, self.after_forward
         elif model is not None:
             self._hooks = [model.register_forward_pre_hook(lambda _m, _args: self.before_forward(), prepend=True),
                            # before FSDP2 gathers the parameters: a copy taken at the step's start reads the sharded ones
-                           model.register_forward_hook(lambda _m, _args, _out: self.after_forward())]
+                           model.register_forward_hook(lambda _m, args, kwargs, out: self.after_forward(args, kwargs, out),
+                                                       with_kwargs=True)]
         self._armed = session.stop.armed()
         self._armed.__enter__()  # SIGTERM/SIGINT/SIGUSR1: a graceful stop at the next commit point
         session.start()
@@ -147,11 +152,15 @@ class Guard:
         else:
             self.poll()
 
-    def after_forward(self) -> None:
-        """A training forward of the step returned: the random streams are keyed for what the script draws next
-        (train/state/streams.py: a batch prefetched during the step comes back the same after a restore)."""
+    def after_forward(self, args: tuple = (), kwargs: dict | None = None, out=None) -> None:
+        """A training forward of the step returned: the replay audit fingerprints it (audit.py), and the random
+        streams are keyed for what the script draws next (train/state/streams.py: a batch prefetched during the
+        step comes back the same after a restore)."""
         if self.in_step and self._training_forward():
             session = self.session
+            found = self.audit.forward(session.step, session.restores, (args, kwargs or {}), out)
+            if found is not None:
+                audit.report(session, found)
             session.streams.forward_done(session.step)
             if session.streams.forwards == 1:
                 session.phase_point("after_forward")  # a fault injection point (faults.py: kill-forward)

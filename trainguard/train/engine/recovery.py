@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from ...checkpoint.blob import unpack
 from ...control.outcomes import RestoreDecision, SourceKind
 from ...control.reports import RestoreReport, ShardedRestoreReport
-from ...errors import ClusterFailed, CollectiveFailed, DesyncDetected, FencedError, RecoveryError, Rewind
+from ...errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError, Rewind
 from ...worker.transfer import broadcast_int, recv_bytes, send_bytes
 from ..data import phase as elastic
 from ..state.train_state import TrainState, job_seed
@@ -122,7 +122,7 @@ class Recovery:
                          1000 * (t_apply - t_agree), 1000 * (time.monotonic() - t_apply))
                 break
             except ClusterFailed as exc:  # the job is over (failed, or the launcher gave up): leave cleanly
-                stop_on_fault(session, str(exc), desync=isinstance(exc, DesyncDetected))
+                stop_on_fault(session, str(exc), verdict=exc.verdict)
             except (FencedError, CollectiveFailed) as exc:
                 if session.rewinds:  # every rank, the replacement too, goes through the script's setup again (its
                     # mesh's groups, its own collectives): a rank that regrouped here would call other collectives

@@ -61,7 +61,8 @@ class DataParallel(nn.Module):
         object.__setattr__(self, "buffer_guard", BufferGuard(buffers))
         object.__setattr__(self, "group", None)
         self.on_forward: Callable[[], None] | None = None  # the guard starts the job on first use (train/engine/guard.py)
-        self.after_forward: Callable[[], None] | None = None  # and keys the random streams after a training forward
+        self.after_forward: Callable[[tuple, dict, object], None] | None = None  # (args, kwargs, output): keys the
+        # random streams after a training forward, and the replay audit fingerprints it
         DataParallel.instances.add(self)
 
     def rebuild(self, group: dist.ProcessGroup) -> None:
@@ -116,7 +117,7 @@ class DataParallel(nn.Module):
             self.on_forward()
         out = self.module(*args, **kwargs)
         if self.after_forward is not None:
-            self.after_forward()
+            self.after_forward(args, kwargs, out)
         return out
 
     def state_dict(self, *args, **kwargs):

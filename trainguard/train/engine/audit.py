@@ -1,0 +1,170 @@
+"""The replay audit: a step a rank runs a second time after a fault is checked against its first run.
+
+trainguard promises a result bit-identical to a run without faults, but a script can hold state it does not
+see (a counter in a closure, a batch drawn before `start_step()` and kept, a file it reads back, a framework's
+cache). Then the replay of a step differs from its first run, and so does everything after it. The audit
+makes that visible the moment it happens instead of leaving a silently different result.
+
+What is fingerprinted: every training forward (the model in train mode, grad enabled), its inputs (the
+tensors among the forward's arguments) and its output, keyed by (committed step, the forward's number in
+that step). A fingerprint is each tensor's dtype and shape and about a thousand of its elements, evenly
+spaced, copied on the tensor's own device; their bits are compared (`torch.equal` on an integer view), so
+-0.0 and NaN payloads count. The first run's fingerprints stay in this process across a rewind (the script
+runs again in the same process), for the last KEEP_STEPS steps.
+
+What it covers: every step a surviving rank runs again, the in-flight step of a data-parallel job and the
+steps since a sharded job's last in-memory copy alike. What it cannot: a step nobody ran before on that
+rank (a replacement's steps: its first run died with it), steps older than KEEP_STEPS, a job restarted
+from a checkpoint by new processes, a world-size change (elastic: other batches by design), and a
+difference that neither the inputs' nor the output's sampled elements show (a state read only by the
+backward or the optimizer; the next step's forward shows it).
+
+Modes (TG_EXACT, `trainguard run --exact`, job file `exact`): `warn` (the default) prints what differed,
+its likely causes and fixes, records a `replay_mismatch` event, and the launcher says "not bit-identical
+from step N"; `strict` ends the job (EXIT_NOT_EXACT, after the committed state's dying gasp); `off` records
+nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ...control import protocol as p
+from ...exitcodes import EXIT_NOT_EXACT
+from .graceful import stop_on_fault
+
+SAMPLE = 1024  # elements kept of each tensor
+MAX_TENSORS = 8  # tensors kept of a forward's inputs, and of its output
+KEEP_STEPS = 64  # steps whose first run stays comparable
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+INPUT_CAUSES = ("the batch came from state trainguard does not restore: a data iterator, generator or counter of the "
+                "script's own, a batch drawn before `start_step()` and kept, or a file read back. Fix: draw batches "
+                "from trainguard.DataLoader / DistributedSampler (or torch's global generator after `start_step()`), "
+                "or hand the object that holds the position to `trainguard.register_state()`")
+OUTPUT_CAUSES = ("the model computed something else from the same inputs: state outside what trainguard restores (a "
+                 "plain attribute of a module or of the script, a tensor not registered as a buffer, a framework's "
+                 "cache), or nondeterministic kernels. Fix: `trainguard.register_state()` the object, "
+                 "`register_buffer()` the tensor, or `torch.use_deterministic_algorithms(True)`")
+
+
+class Mark(NamedTuple):
+    """One tensor's fingerprint: the sampled elements' bytes (a CPU tensor) or a copy of them (on its device)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    sample: bytes | torch.Tensor
+
+    def same(self, other: "Mark") -> bool:
+        if (self.dtype, self.shape) != (other.dtype, other.shape):
+            return False
+        a, b = self.sample, other.sample
+        if isinstance(a, bytes) or isinstance(b, bytes):
+            return a == b
+        size = a.element_size()
+        if size in _INT and not a.is_complex():
+            a, b = a.view(_INT[size]), b.view(_INT[size])
+        return torch.equal(a, b)
+
+
+def mark(t: torch.Tensor) -> Mark:
+    """About SAMPLE evenly spaced elements of `t`, their bits. On the CPU a NumPy view of the integers of the same
+    width (no copy but the sample's bytes: a few microseconds); elsewhere a copy on the tensor's device, so that
+    nothing waits for it (it is compared only after a fault)."""
+    d = t.detach()
+    size = d.element_size()
+    if d.device.type == "cpu" and d.is_contiguous() and size in _INT and not d.is_complex():
+        a = d.view(_INT[size]).numpy().reshape(-1)
+        return Mark(t.dtype, tuple(t.shape), a[::max(1, a.size // SAMPLE)][:SAMPLE].tobytes())
+    flat = d.reshape(-1)
+    return Mark(t.dtype, tuple(t.shape), flat[::max(1, flat.numel() // SAMPLE)][:SAMPLE].clone())
+
+
+def tensors(obj, out: list, depth: int = 0) -> list:
+    """The first MAX_TENSORS tensors in `obj` (nested lists, tuples and dicts, a model output's fields)."""
+    if len(out) >= MAX_TENSORS or depth > 3:
+        return out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            tensors(item, out, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            tensors(item, out, depth + 1)
+    return out
+
+
+def marks(obj) -> tuple[Mark, ...]:
+    return tuple(mark(t) for t in tensors(obj, []))
+
+
+def same(a: tuple[Mark, ...], b: tuple[Mark, ...]) -> bool:
+    return len(a) == len(b) and all(x.same(y) for x, y in zip(a, b))
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A replayed forward that differs from its first run."""
+
+    step: int
+    forward: int
+    what: str  # "inputs" or "output"
+
+    def describe(self, rank: int) -> str:
+        causes = INPUT_CAUSES if self.what == "inputs" else OUTPUT_CAUSES
+        verb = "differ" if self.what == "inputs" else "differs"
+        return (f"not bit-identical: the {self.what} of rank {rank}'s training forward {self.forward} at step "
+                f"{self.step} {verb} from its first run, before the fault. Likely cause: {causes}")
+
+
+_first: dict[tuple[int, int], tuple[tuple[Mark, ...], tuple[Mark, ...]]] = {}  # (step, forward) -> (inputs, output)
+
+
+class Audit:
+    """One run of the script's view of the audit: it numbers the forwards of each step."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.at: tuple[int, int] | None = None  # (step, restores) the count belongs to
+        self.n = 0
+        self.found: Finding | None = None  # the first difference (one is said; everything after follows from it)
+
+    def forward(self, step: int, restores: int, inputs, out) -> Finding | None:
+        """A training forward returned: its first run is recorded, its replay compared."""
+        if not self.enabled:
+            return None
+        if self.at != (step, restores):
+            self.at, self.n = (step, restores), 0
+        self.n += 1
+        now = (marks(inputs), marks(out))
+        key = (step, self.n)
+        first = _first.get(key)
+        if first is None or self.found is not None:
+            _first[key] = now
+            if self.n == 1 and step % KEEP_STEPS == 0:
+                for old in [k for k in _first if k[0] < step - KEEP_STEPS]:
+                    del _first[old]
+            return None
+        what = "inputs" if not same(first[0], now[0]) else "output" if not same(first[1], now[1]) else ""
+        if not what:
+            return None
+        self.found = Finding(step, self.n, what)
+        _first.clear()  # from here on this run is the reference
+        return self.found
+
+
+def report(session, found: Finding) -> None:
+    """Say what differed (and, under --exact strict, end the job: the scheduler ends it for every rank)."""
+    rt = session.rt
+    text = found.describe(rt.rank)
+    rt.events.emit("replay_mismatch", rank=rt.rank, step=found.step, forward=found.forward, what=found.what,
+                   generation=rt.generation)
+    print(f"trainguard: {text}", file=sys.stderr, flush=True)
+    if rt.cfg.exact == "strict":
+        rt.report_failure(text, kind=p.FailureKind.NOT_EXACT)
+        stop_on_fault(session, text, verdict=EXIT_NOT_EXACT)
