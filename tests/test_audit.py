@@ -8,7 +8,6 @@ job runs with TG_EXACT=strict (harness.FAST): an exact trainer never raises a fa
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +72,7 @@ def test_a_fingerprint_compares_bits():
     assert not same(marks([torch.ones(4)]), marks([torch.ones(5)]))
     assert not same(marks([torch.ones(4)]), marks([torch.ones(4, dtype=torch.float64)]))
     big = torch.arange(10_000_000, dtype=torch.float32)
-    assert mark(big).sample.numel() <= 1024 + 1 and not math.isnan(float(mark(big).sample.sum()))
+    assert len(mark(big).sample) <= 4 * 1024  # about a thousand elements' bytes, whatever the size
     changed = big.clone()
     changed[::9765] += 1  # touches the sampled elements
     assert not same(marks({"x": big}), marks({"x": changed}))

@@ -43,12 +43,13 @@ def port(tmp: Path, replacements=PORT) -> Path:
 
 
 def run(tmp: Path, name: str, script: Path, fault: str = "", at_collective: str = "",
-        epochs: int = 2) -> tuple[list[dict], dict, str]:
+        epochs: int = 2, exact: str = "strict") -> tuple[list[dict], dict, str]:
     out = tmp / name
     proc = subprocess.run(
         [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "1", "--recovery-path",
          str(out / "recovery"), str(script), "--epochs", str(epochs), "--out", str(out / "final")],
-        cwd=REPO, env=env(TG_FAULT=fault, TG_FAULT_COLLECTIVE=at_collective), capture_output=True, text=True,
+        cwd=REPO, env=env(TG_FAULT=fault, TG_FAULT_COLLECTIVE=at_collective, TG_EXACT=exact), capture_output=True,
+        text=True,
         timeout=240)
     out.mkdir(parents=True, exist_ok=True)
     (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -82,10 +83,13 @@ def test_a_foreign_trainer_with_state_it_does_not_give_survives_each_rank_killed
 
 def test_a_port_that_keeps_torchs_training_loader_is_told_at_the_first_restore(tmp_path):
     """The one port mistake trainguard cannot repair: torch's DataLoader restarts its epoch after a restore, so
-    batches are trained twice. The job cannot tell it from an eval loader, so it says so loudly when it resumes."""
+    batches are trained twice. The job cannot tell it from an eval loader, so it says so loudly when it resumes,
+    and the replay audit (warn) sees the replayed step train on another batch."""
     keeps_torchs = tuple((was, now.replace("DDP, DataLoader, DistributedSampler", "DDP\nfrom torch.utils.data import "
                                            "DataLoader, DistributedSampler")) for was, now in PORT)
-    _, _, log = run(tmp_path, "torchs-loader", port(tmp_path, keeps_torchs), fault="1:12:kill", epochs=1)
+    _, _, log = run(tmp_path, "torchs-loader", port(tmp_path, keeps_torchs), fault="1:12:kill", epochs=1,
+                    exact="warn")
     assert ("warning: the job resumes at step 12, batch 12 of epoch 0, but no trainguard.DataLoader drives its "
             "steps, and the script has 2 torch.utils.data.DataLoaders" in log), log[-3000:]
     assert "batches 0-11 of epoch 0 are trained twice" in log and "Import DataLoader and DistributedSampler" in log
+    assert "not bit-identical: the inputs of rank " in log and "at step 12 differ from its first run" in log

@@ -34,7 +34,7 @@ from ..config import (
 from ..errors import CheckpointError, ConfigError
 from ..tlsconfig import ENABLE_SSL_ENV, SSL_CONFIG_ENV
 from ..tlsconfig import read as read_tls
-from . import certs, chaos, observe, slurm
+from . import certs, chaos, observe, slurm, verify
 from .agent import Supervisor
 from .budget import restart_rate
 from .jobfile import merge_job_file, resolve_hang_timeout, resolve_strategy
@@ -59,6 +59,36 @@ def build_parser() -> argparse.ArgumentParser:
     sched.set_defaults(handler=_scheduler)
 
     run = sub.add_parser("run", help="start and supervise this host's workers (and the scheduler on node rank 0)")
+    add_run_arguments(run)
+    run.set_defaults(handler=_run)
+
+    ckpt = sub.add_parser("ckpt", help="list, verify, inspect and repair checkpoints")
+    cmds = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    ls = cmds.add_parser("ls", help="the checkpoints in DIR, oldest step first")
+    ls.add_argument("path", type=Path, metavar="DIR")
+    cmds.add_parser("verify", help="hash every file against the manifest").add_argument("path", type=Path)
+    inspect = cmds.add_parser("inspect", help="step, files, layout and every tensor's slices")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--json", action="store_true", help="print the manifest as it is")
+    recover = cmds.add_parser("recover", help="rebuild a rank's missing or corrupt file from its replicas")
+    recover.add_argument("path", type=Path)
+    recover.add_argument("--rank", type=int, required=True)
+    ckpt.set_defaults(handler=_ckpt)
+    check = sub.add_parser("verify", help="run a script N steps without a fault, then once per fault (kill -9 in a "
+                           "step, after a commit, outside a step, at an epoch's end; SIGTERM and a rerun), and compare "
+                           "every tensor", description=verify.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    verify.add_arguments(check)
+    add_run_arguments(check)
+    check.set_defaults(handler=verify.main)
+    chaos.add_parser(sub)
+    observe.add_parsers(sub)
+    certs.add_parser(sub)
+    return parser
+
+
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    """`trainguard run`'s flags, the script and its arguments (verify takes them too)."""
     run.add_argument("--workers", "--nproc-per-node", "--nproc_per_node", dest="workers", type=int,
                      help="worker processes on this host (default 1)")
     run.add_argument("--nnodes", type=int, help="number of hosts (default 1)")
@@ -121,28 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", type=Path, help="a job file (YAML or JSON) with these flags; flags win over it")
     run.add_argument("script", nargs="?", help="the training script (or `script:` in --config)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    run.set_defaults(handler=_run)
-
-    ckpt = sub.add_parser("ckpt", help="list, verify, inspect and repair checkpoints")
-    cmds = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
-    ls = cmds.add_parser("ls", help="the checkpoints in DIR, oldest step first")
-    ls.add_argument("path", type=Path, metavar="DIR")
-    cmds.add_parser("verify", help="hash every file against the manifest").add_argument("path", type=Path)
-    inspect = cmds.add_parser("inspect", help="step, files, layout and every tensor's slices")
-    inspect.add_argument("path", type=Path)
-    inspect.add_argument("--json", action="store_true", help="print the manifest as it is")
-    recover = cmds.add_parser("recover", help="rebuild a rank's missing or corrupt file from its replicas")
-    recover.add_argument("path", type=Path)
-    recover.add_argument("--rank", type=int, required=True)
-    ckpt.set_defaults(handler=_ckpt)
-    chaos.add_parser(sub)
-    observe.add_parsers(sub)
-    certs.add_parser(sub)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # verify passes run's flags on as they were given
     try:
         return args.handler(args)
     except (ConfigError, CheckpointError) as exc:

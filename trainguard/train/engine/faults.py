@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from ...config import env_seconds
 from ...errors import ConfigError
 from .callbacks import Callback
+from .probe import probe_from_env
 
 FAULT_ENV = "TG_FAULT"
 SLOW_SAVE_ENV = "TG_FAULT_SLOW_SAVE"
@@ -130,7 +131,7 @@ def env_callbacks(env=None) -> list[Callback]:
     """The test hooks the environment asks for (TG_FAULT, TG_FAULT_SLOW_STEP), and the save hooks
     (TG_FAULT_SLOW_SAVE, TG_FAULT_DISK_FULL) installed: chaos-test any job without changing its code."""
     env = os.environ if env is None else env
-    callbacks: list[Callback] = []
+    callbacks: list[Callback] = probe_from_env(env)  # `trainguard verify`'s (probe.py), first: it sees every commit
     faults = faults_from_env(env)
     if faults:
         callbacks.append(FaultInjector(faults))

@@ -1,0 +1,235 @@
+"""`trainguard verify [--steps N] [--faults LIST] [--keep DIR] [run flags] SCRIPT [ARGS]`: a pre-flight check of
+the user's own script. It runs the script under `trainguard run` for N committed steps, once without a fault and
+once per fault, and compares every tensor of every rank's state at step N with the run without a fault.
+
+The faults (rank 1, or 0 alone; steps about the middle of the N):
+    mid-step      kill -9 after the step's first training forward (the middle of a step)
+    after-commit  kill -9 right after a commit
+    outside       kill -9 at the first collective it made outside a step in the clean run (an eval all_reduce,
+                  a barrier), if it made one
+    epoch-end     kill -9 right after the first epoch's last step, if the N steps reach one
+    sigterm       SIGTERM (a graceful stop and its dying gasp), then the same command again
+
+Each run has its own working directory (the script's own relative files, such as its snapshot, do not leak from
+one run into the next); an argument that names an existing path is made absolute. The probe that takes the
+state is train/engine/probe.py. Exit 0 when every row is identical, 1 otherwise, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..exitcodes import EXIT_PREEMPTED
+
+FAULTS = ("mid-step", "after-commit", "outside", "epoch-end", "sigterm")
+OWN = {"--steps", "--faults", "--keep", "--timeout", "--recovery-path"}  # not passed on to each run
+
+
+@dataclass
+class Case:
+    name: str
+    moment: str
+    env: dict
+    rerun: bool = False  # sigterm: the same command again, in the same directory
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=40, help="committed steps a run (default 40)")
+    parser.add_argument("--faults", type=faults_list, default=list(FAULTS),
+                        help=f"which faults, comma-separated (default all: {','.join(FAULTS)})")
+    parser.add_argument("--keep", type=Path, help="keep every run's directory here (default: a temporary one, "
+                                                  "removed when every run is identical)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take (default 600)")
+
+
+def faults_list(text: str) -> list[str]:
+    names = [f for f in text.split(",") if f]
+    bad = [f for f in names if f not in FAULTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown {bad} (known: {', '.join(FAULTS)})")
+    return names
+
+
+def run_flags(argv: list[str], script_args: list[str]) -> list[str]:
+    """The flags given before the script, less verify's own and --recovery-path (each run has its own): the
+    script is the first argument after them, and everything after it is its arguments."""
+    given = argv[1:len(argv) - 1 - len(script_args)]  # argv[0] is "verify"
+    out, skip = [], False
+    for i, item in enumerate(given):
+        flag, _, inline = item.partition("=")
+        if skip:
+            skip = False
+        elif flag in OWN:
+            skip = not inline
+        else:
+            out.append(item)
+    return out
+
+
+def plan(facts: dict, steps: int, rank: int, wanted: list[str]) -> list[Case]:
+    """The fault runs, from what the clean run saw (pure)."""
+    k = max(2, steps // 2)
+    cases = []
+    for name in wanted:
+        if name == "mid-step":
+            cases.append(Case(name, f"at step {k}, after its first training forward",
+                              {"TG_FAULT": f"{rank}:{k}:kill-forward"}))
+        elif name == "after-commit":
+            cases.append(Case(name, f"right after step {k}", {"TG_FAULT": f"{rank}:{k}:kill"}))
+        elif name == "outside" and facts.get("outside"):
+            op, n, after = facts["outside"]
+            cases.append(Case(name, f"{op} #{n}, after step {after}", {"TG_FAULT_COLLECTIVE": f"{rank}:{op}:{n}"}))
+        elif name == "epoch-end" and facts.get("epoch_end") and facts["epoch_end"] < steps:
+            e = facts["epoch_end"]
+            cases.append(Case(name, f"right after step {e}, the first epoch's last", {"TG_FAULT": f"{rank}:{e}:kill"}))
+        elif name == "sigterm":
+            cases.append(Case(name, f"after step {k}, then the same command again", {"TG_FAULT": f"{rank}:{k}:term"},
+                              rerun=True))
+    return cases
+
+
+def first_difference(a, b, path: str = "") -> str | None:
+    """The path of the first value that differs between two loaded states (tensors bit for bit), or None."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype or a.shape != b.shape:
+            return path or "."
+        same = torch.equal(*(t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b))) if a.numel() else True
+        return None if same else path
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                return f"{path}.{k}"
+            found = first_difference(a[k], b[k], f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = first_difference(x, y, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (path or ".")
+
+
+def compare(clean: Path, other: Path) -> str:
+    """"identical", or where the run in `other` first differs from the clean run."""
+    import torch
+
+    ranks = sorted(p.name for p in clean.glob("rank_*.pt"))
+    missing = [r for r in ranks if not (other / r).exists()]
+    if not ranks or missing:
+        return f"no state at the last step from {', '.join(missing) or 'any rank'}"
+    worst: tuple[int, str] | None = None
+    for name in ranks:
+        a, b = (torch.load(d / name, weights_only=True) for d in (clean, other))
+        where = first_difference(a["state"], b["state"])
+        if where is None:
+            continue
+        common = sorted(set(a["digests"]) & set(b["digests"]))
+        step = next((s for s in common if a["digests"][s] != b["digests"][s]), None)
+        rank = name[len("rank_"):-len(".pt")]
+        found = (step if step is not None else a["step"], f"rank {rank}: {where}")
+        worst = found if worst is None or found < worst else worst
+    if worst is None:
+        return "identical"
+    return f"differs from step {worst[0]}: {worst[1]}"
+
+
+def diagnosis(recovery: Path) -> str:
+    """What the replay audit, or the desync watch, said first in that run ("" if nothing)."""
+    from ..obs.events import EventLog
+    from ..obs.timeline import VERDICT_EVENTS, verdict_line
+
+    try:
+        events = EventLog.read(recovery / "events.jsonl")
+    except OSError:
+        return ""
+    said = sorted((e for e in events if e.get("event") in VERDICT_EVENTS), key=lambda e: e.get("ts", 0))
+    return verdict_line(said[0]) if said else ""
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.script is None or (args.nnodes or 1) > 1:
+        raise ConfigError("trainguard verify runs one host's job: give the script (and no --nnodes)")
+    if args.steps < 4:
+        raise ConfigError(f"--steps {args.steps}: at least 4 committed steps")
+    own = {"steps": args.steps, "faults": args.faults, "keep": args.keep, "timeout": args.timeout}
+    flags = run_flags(args.argv, args.script_args)
+    script_args = [str(Path(a).resolve()) if a and not a.startswith("-") and Path(a).exists() else a
+                   for a in args.script_args]
+    rank = 1 if (args.workers or 1) > 1 else 0
+    root = own["keep"] or Path(tempfile.mkdtemp(prefix="trainguard-verify-"))
+    root.mkdir(parents=True, exist_ok=True)
+
+    def run(case: str, env: dict) -> tuple[int, float, str]:
+        where = root / case
+        where.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "trainguard", "run", *flags, "--recovery-path", str(where / "recovery"),
+               str(Path(args.script).resolve()), *script_args]
+        full = {**os.environ, "TG_VERIFY_DIR": str(where / "state"), "TG_VERIFY_STEPS": str(own["steps"]),
+                "TG_EXACT": os.environ.get("TG_EXACT") or "warn", "TG_FAULT": "", "TG_FAULT_COLLECTIVE": "", **env}
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=where, env=full, capture_output=True, text=True, timeout=own["timeout"])
+        except subprocess.TimeoutExpired:
+            return -1, time.monotonic() - t0, f"still running after {own['timeout']:g} s (--timeout)"
+        with open(where / "launcher.log", "a") as log:
+            log.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        return proc.returncode, time.monotonic() - t0, proc.stderr.strip().splitlines()[-1:][0] if proc.stderr.strip() else ""
+
+    print(f"trainguard verify: {args.script}, {own['steps']} committed steps a run, runs in {root}", flush=True)
+    code, took, last = run("clean", {})
+    clean = root / "clean" / "state"
+    if code != 0 or not any(clean.glob("rank_*.pt")):
+        print(f"the run without a fault did not reach step {own['steps']} (exit {code}): {last}\n"
+              f"its log: {root / 'clean' / 'launcher.log'}", file=sys.stderr)
+        return 1
+    import torch
+
+    facts = torch.load(clean / f"rank_{rank}.pt", weights_only=True)["facts"]
+    rows = [["none (the reference)", "-", f"{took:.1f} s", "reference", ""]]
+    print(f"  {rows[0][0]}: {took:.1f} s", flush=True)
+    failed = False
+    for case in plan(facts, own["steps"], rank, own["faults"]):
+        code, took, last = run(case.name, case.env)
+        if case.rerun and code == EXIT_PREEMPTED:
+            code, again, last = run(case.name, {})
+            took += again
+        result = compare(clean, root / case.name / "state") if code == 0 else f"exit {code}: {last[:160]}"
+        failed |= result != "identical"
+        what = {"mid-step": "kill -9 in a step", "after-commit": "kill -9 after a commit",
+                "outside": "kill -9 outside a step", "epoch-end": "kill -9 at an epoch's end",
+                "sigterm": "SIGTERM and a rerun"}[case.name]
+        rows.append([f"{what} (rank {rank})", case.moment, f"{took:.1f} s", result,
+                     diagnosis(root / case.name / "recovery")])
+        print(f"  {what}: {result}", flush=True)
+    skipped = [f for f in own["faults"] if f not in {r for r in (c.name for c in plan(facts, own['steps'], rank,
+                                                                                          own['faults']))}]
+    print("\n" + table(["fault", "moment", "took", "result", "audit"], rows))
+    for name in skipped:
+        print(f"not run: {name} ({'no collective outside a step' if name == 'outside' else 'no epoch ended'} "
+              f"within {own['steps']} steps)")
+    if failed:
+        print(f"NOT identical: see the rows above; each run's log is in {root}/<fault>/launcher.log")
+        return 1
+    print("every run is identical to the one without a fault")
+    if own["keep"] is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0

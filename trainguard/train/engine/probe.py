@@ -1,0 +1,105 @@
+"""What `trainguard verify` (launch/verify.py) reads from each run of a script: set by TG_VERIFY_DIR and
+TG_VERIFY_STEPS, installed with the test hooks (faults.env_callbacks).
+
+At every commit the probe takes a digest (sha256 of every tensor's bytes and every other value) of the state a
+restore fills (model, optimizer, scheduler, registered objects): the first step whose digest differs between two
+runs is where they parted. At commit N it writes DIR/rank_R.pt (the state, the digests, and the facts verify
+plans its faults with: the step that ended the first epoch, the first collective this rank made outside a step)
+and the rank leaves the script with exit 0, as every rank does at the same commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from .callbacks import Callback
+
+VERIFY_DIR_ENV, VERIFY_STEPS_ENV = "TG_VERIFY_DIR", "TG_VERIFY_STEPS"
+
+_digests: dict[int, str] = {}  # committed step -> digest, in this process (a rewind keeps them)
+_facts: dict = {"epoch_end": None, "outside": None}
+_in_step = [False]
+_installed = [False]
+
+
+def digest(obj) -> str:
+    h = hashlib.sha256()
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous().reshape(-1)
+            h.update(f"{t.dtype}{list(x.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(repr(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                walk(item)
+        else:
+            h.update(repr(x).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def copied(obj):
+    """`obj` with every tensor cloned to the CPU (the state's tensors are the live ones)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: copied(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copied(v) for v in obj)
+    return obj
+
+
+class VerifyProbe(Callback):
+    def __init__(self, out: Path, steps: int):
+        self.out, self.steps = out, steps
+        if not _installed[0]:  # once per process, counted as faults.py counts TG_FAULT_COLLECTIVE's calls
+            _installed[0] = True
+            from ...worker import collectives
+            from ...worker import runtime as rt_mod
+
+            counts: dict[str, int] = {}
+
+            def observe(name: str) -> None:
+                rt = rt_mod.active()
+                if rt is None or rt.incarnation != 1:
+                    return
+                counts[name] = counts.get(name, 0) + 1
+                if _facts["outside"] is None and _digests and not _in_step[0]:
+                    _facts["outside"] = [name, counts[name], max(_digests)]
+
+            collectives.observers.append(observe)
+
+    def on_step_begin(self, session, step) -> None:
+        _in_step[0] = True
+
+    def on_step_end(self, session) -> None:
+        _in_step[0] = False
+        state = session.state.capture_shared()
+        if session.epoch >= 1 and _facts["epoch_end"] is None:
+            _facts["epoch_end"] = max((s for s in _digests if s < session.step), default=None)  # the epoch's last
+        _digests[session.step] = digest(state)
+        if session.step < self.steps:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / f"rank_{session.rt.rank}.pt"
+        torch.save({"step": session.step, "state": copied(state), "digests": dict(_digests), "facts": dict(_facts)},
+                   str(path) + ".tmp")
+        os.replace(str(path) + ".tmp", path)
+        raise SystemExit(0)
+
+
+def probe_from_env(env) -> list[Callback]:
+    out, steps = env.get(VERIFY_DIR_ENV, ""), env.get(VERIFY_STEPS_ENV, "")
+    if not out or not steps:
+        return []
+    return [VerifyProbe(Path(out), int(steps))]
