@@ -17,7 +17,7 @@ import pytest
 import torch
 from harness import REPO, assert_identical, env, events
 
-from trainguard.control.waits import END_OF_SCRIPT, Waiting, find_desync, find_hang, mismatch
+from trainguard.control.waits import END_OF_SCRIPT, Waiting, find_desync, find_hang, mismatch, rewind_first
 from trainguard.exitcodes import EXIT_DESYNC
 
 pytestmark = pytest.mark.timeout(240)
@@ -63,6 +63,9 @@ def test_collectives_that_do_not_match_end_the_job_naming_both_calls(tmp_path, m
             assert f"desync.py:{line_of(call)}" in desyncs[0]["detail"], (call, desyncs[0]["detail"])
     if mode == "end":
         assert "has run its script to the end" in desyncs[0]["detail"]
+    if mode == "op":  # every rank learnt of it while its run was alive: the committed state is saved, to resume from
+        saved = [e for e in events(tmp_path) if e["event"] == "stopped_on_fault" and e.get("saved")]
+        assert sorted(e["rank"] for e in saved) == [0, 1, 2], saved
     assert "trainguard: desync: the ranks called collectives that do not match" in proc.stderr
     assert "Likely cause" in proc.stderr
 
@@ -113,6 +116,8 @@ def test_ranks_at_the_same_collective_agree_and_a_moment_apart_are_no_desync():
 def test_another_op_another_shape_a_skipped_call_and_an_ended_script_are_desyncs():
     op = find_desync({0: point(7), 1: point(7, op="broadcast", site="train.py:12")}, [], 3.0)
     assert op is not None and op.ranks == (0, 1) and "train.py:10" in op.text and "train.py:12" in op.text
+    at_once = {0: point(7, for_s=0.6), 1: point(7, shape="float32[8]", for_s=0.6)}  # no timing makes it legitimate
+    assert find_desync(at_once, [], 5.0) is not None
     assert mismatch({1: point(7, shape="float32[8]", for_s=0.0), 2: point(7, for_s=0.0)}) is not None  # failures
     skipped = find_desync({0: point(7), 2: point(8)}, [], 3.0)
     assert skipped is not None and "skipped" in skipped.text
@@ -128,3 +133,10 @@ def test_a_hostile_wait_report_is_refused():
     for bad in (dict(site="a\nforged line"), dict(seq=-1), dict(for_s=float("nan")), dict(op="x" * 1000)):
         with pytest.raises(ValidationError):
             Waiting(**{**point(1).model_dump(), **bad})
+
+
+def test_a_desync_after_a_recovery_is_rewound_once_a_step_and_one_before_any_ends_the_job():
+    assert not rewind_first(1, 5, None)  # the job's first generation: the script's own bug
+    assert rewind_first(2, 5, None)  # after a recovery: the ranks may have come back disagreeing
+    assert not rewind_first(3, 5, 5)  # again at the same step: the rewind did not help
+    assert rewind_first(3, 9, 5)

@@ -256,6 +256,7 @@ class Heartbeater(threading.Thread):
         self.generation_seen = 0
         self.formed = False
         self.job_over = False
+        self.verdict = 0  # the exit code of a verdict about the script that ended the job (exitcodes.VERDICTS)
         self.fenced = ""
         self.connected = threading.Event()
         self._halt = threading.Event()  # not `_stop`: that is Thread's own method, which a forked child
@@ -283,10 +284,11 @@ class Heartbeater(threading.Thread):
                     self.on_news()
                     return
                 moved = reply.generation > self.generation_seen
+                self.formed, self.job_over, self.verdict = reply.formed, reply.job_over, reply.verdict  # before
+                # on_news: a collective it cuts loose sees why the job ends
                 self.generation_seen = max(self.generation_seen, reply.generation)
                 if moved:
                     self.on_news()
-                self.formed, self.job_over = reply.formed, reply.job_over
                 if reply.hang:
                     self.on_hang(reply.hang)
                 self.connected.set()

@@ -236,6 +236,7 @@ class HeartbeatAck(Msg):
     formed: bool
     job_over: bool = False
     hang: Text = ""  # this worker made no progress while its peers waited: print its stacks and end (a fault)
+    verdict: Annotated[int, Field(ge=0, le=255)] = 0  # the job ended on a verdict about the script (exitcodes.VERDICTS)
 
 
 class Formed(Msg):

@@ -324,7 +324,7 @@ class Scheduler:
         hang = self.watch.beat(node, req.waiting, req.idle)
         c = self.cluster
         return p.HeartbeatAck(generation=c.generation, formed=c.formed, job_over=c.job is not m.JobState.RUNNING,
-                              hang=hang)
+                              hang=hang, verdict=self.watch.verdict or 0)
 
     def _fail(self, node_id: str, incarnation: int | None, kind: p.FailureKind, detail: str, *,
                     final: bool = False) -> None:
@@ -352,6 +352,8 @@ class Scheduler:
             self.watch.not_exact(node, req.detail)
             return p.Ok()
         self.watch.failure(node, req.at)  # two survivors failed in mismatched collectives: a desync
+        if self.watch.verdict:  # the job ended on one: the reporter saves its committed state instead of rewinding
+            return self.job_over()
         if req.kind is p.FailureKind.COLLECTIVE and req.generation != self.cluster.generation:
             return p.Ok()  # that generation is already over
         self._fail(req.node_id, req.incarnation, req.kind, req.detail)

@@ -117,9 +117,10 @@ def waits_for_finished(waits: dict[int, Waiting], finished: list[int], settle: f
 
 
 def find_desync(waits: dict[int, Waiting], finished: list[int], settle: float) -> Desync | None:
-    """The first desync among the ranks' current waits (`finished`: the ranks that ended their script)."""
-    return (mismatch({r: w for r, w in waits.items() if w.for_s >= settle}) or stuck_apart(waits, settle)
-            or waits_for_finished(waits, finished, settle))
+    """The first desync among the ranks' current waits (`finished`: the ranks that ended their script). Two waits
+    at the same collective with other calls are one at once (no timing makes them legitimate); waits apart, or
+    against an ended script, only after `settle` seconds (a rank a moment behind its peers is no desync)."""
+    return mismatch(waits) or stuck_apart(waits, settle) or waits_for_finished(waits, finished, settle)
 
 
 def find_hang(idle: dict[int, float], waits: dict[int, Waiting], hang_timeout: float | None,
@@ -132,3 +133,9 @@ def find_hang(idle: dict[int, float], waits: dict[int, Waiting], hang_timeout: f
         return None
     seconds, rank = max(stuck)
     return rank, seconds
+
+
+def rewind_first(generation: int, step: int, repaired_at: int | None) -> bool:
+    """A desync in a generation formed after a recovery (the ranks may have come back disagreeing) is met with one
+    rewind of every rank per step; one in the job's first generation, or again at the same step, ends the job."""
+    return generation > 1 and repaired_at != step

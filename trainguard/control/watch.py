@@ -24,18 +24,19 @@ from ..exitcodes import EXIT_DESYNC, EXIT_NOT_EXACT
 from . import membership as m
 from . import protocol as p
 from .msgbase import for_log
-from .waits import ADVICE, Desync, Waiting, find_desync, find_hang, mismatch
+from .waits import ADVICE, Desync, Waiting, find_desync, find_hang, mismatch, rewind_first
 
 log = logging.getLogger("trainguard.scheduler")
 
-SETTLE_S = 3.0  # a wait this long at mismatched collectives is no race: ranks a moment apart never look so
+SETTLE_S = 5.0  # waits this long at different collectives are no race: ranks a moment apart never look so, even
+# on a loaded machine (the same collective with other calls needs no wait: it is a desync at once)
 
 
 class Watch:
     def __init__(self, scheduler, hang_timeout: float | None, heartbeat_interval: float):
         self.s = scheduler
         self.hang_timeout = hang_timeout
-        self.settle = max(SETTLE_S, 3 * heartbeat_interval)
+        self.settle = max(SETTLE_S, 5 * heartbeat_interval)
         self.waits: dict[int, Waiting] = {}  # rank -> the collective it waits in (current generation only)
         self.idle: dict[int, float] = {}  # rank -> seconds without progress, as its last heartbeat said
         self.failed: dict[int, Waiting] = {}  # rank -> the collective that failed, in generation `failed_gen`
@@ -107,7 +108,7 @@ class Watch:
         if c.job is not m.JobState.RUNNING:
             return
         step = self.s.view.job_step()
-        repair = found.generation > 1 and self.repaired_at != step  # after a recovery: once per step
+        repair = rewind_first(found.generation, step, self.repaired_at)
         text = f"desync: {found.text}"
         self.s.events.emit("desync", ranks=list(found.ranks), detail=text[-1000:], generation=c.generation,
                            step=step, action="rewind" if repair else "end", seen_in=seen_in)

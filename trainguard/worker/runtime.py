@@ -71,6 +71,7 @@ class Runtime:
         self.step = -1
         self.finished = False
         self.rejoin = False  # the script goes back to its committed step: join the next generation at init()
+        self.verdict = 0  # the exit code of a verdict that ended the job, as a failure report's reply said
         self._error: str = ""
         self._register()
 
@@ -234,6 +235,8 @@ class Runtime:
             self.client.report_failure(self.generation, kind, detail, at=failed_at())
         except SchedulerUnavailable as exc:
             log.warning("could not report the failure (%s); the scheduler will learn it otherwise", exc)
+        except ClusterFailed as exc:  # the job ended on a verdict about the script (a desync): the reply says which
+            self.verdict = exc.verdict or 0
 
     def raised_everywhere(self, signature: str) -> bool:
         """This rank's script raised an error with `signature`: did every rank of the generation raise the same,

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ... import rewinding
 from ...errors import CollectiveFailed, Rewind
+from ...exitcodes import VERDICTS
 from ...worker import runtime as rt_mod
 from ..data import plainloaders
 
@@ -134,8 +135,17 @@ end_of_script = None  # callable: True if the script, having ended, must run aga
 
 
 def _handle(exc: BaseException) -> bool:
+    session = _live
     if not isinstance(exc, FAULTS) or not prepare(exc):
         return False
+    rt = rt_mod.active()
+    verdict = rt.heart.verdict or rt.verdict  # as the heartbeat, or the reply to the failure report, said
+    if verdict and session is not None:
+        # the job ended on a verdict about the script (a desync: control/waits.py): no rewind, but the committed
+        # state's dying gasp while this run's savers still exist; the process exits with the verdict's code
+        from .graceful import stop_on_fault
+
+        stop_on_fault(session, f"the job ended: {VERDICTS.get(verdict, 'a verdict on the script')}", verdict=verdict)
     for close in closers:
         close()
     return True
