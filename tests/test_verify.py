@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import REPO, env
+from harness import REPO, env, events
 
 from trainguard.launch.verify import Case, plan, run_flags
 
@@ -37,13 +37,28 @@ def test_the_example_trainer_is_identical_under_every_fault(tmp_path):
 
 
 def test_a_script_with_state_of_its_own_is_named_with_its_first_differing_step_and_tensor(tmp_path):
-    proc = verify("--steps", "8", "--faults", "mid-step", "--workers", "3", "tests/jobs/own_generator.py",
-                  str(tmp_path / "out"))
+    """tests/jobs/own_generator.py draws its batches from a generator of its own. verify names the first differing
+    step and tensor; in the faulty run itself the replay audit (warn) said so at once, with the cause and the fix,
+    and the launcher's recovery line and `trainguard report` say "NOT bit-identical", not "lost 0 steps"."""
+    proc = verify("--steps", "8", "--faults", "mid-step", "--keep", str(tmp_path), "--workers", "3",
+                  "tests/jobs/own_generator.py", str(tmp_path / "out"))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9 in a step"))
     assert "differs from step 5: rank " in row and "model.0." in row, row  # the first differing step and tensor
     assert "NOT bit-identical from step 4: the inputs of rank" in row, row  # the replay audit's diagnosis
     assert "NOT identical" in proc.stdout
+    run = tmp_path / "mid-step"
+    found = [e for e in events(run) if e["event"] == "replay_mismatch"]
+    assert found and {e["what"] for e in found} == {"inputs"} and {e["step"] for e in found} == {4}, found
+    rank = found[0]["rank"]
+    assert rank in (0, 2)  # a survivor: the killed rank's replacement has no first run to compare with
+    log = (run / "launcher.log").read_text()
+    assert f"the inputs of rank {rank}'s training forward 1 at step 4 differ from its first run" in log
+    assert "a data iterator, generator or counter of the script's own" in log  # the likely cause, and the fix
+    assert "NOT bit-identical from step 4" in log and "lost 0 steps" not in log
+    report = subprocess.run([sys.executable, "-m", "trainguard", "report", str(run / "recovery")], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "NOT bit-identical from step 4" in report
 
 
 def test_bad_flags_are_refused_before_anything_runs():
