@@ -160,10 +160,6 @@ def diagnosis(recovery: Path) -> str:
     return verdict_line(said[0]) if said else ""
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
-
 
 def main(args: argparse.Namespace) -> int:
     if args.script is None or (args.nnodes or 1) > 1:
@@ -207,7 +203,8 @@ def main(args: argparse.Namespace) -> int:
     rows = [["none (the reference)", "-", f"{took:.1f} s", "reference", ""]]
     print(f"  {rows[0][0]}: {took:.1f} s", flush=True)
     failed = False
-    for case in plan(facts, own["steps"], rank, own["faults"]):
+    cases = plan(facts, own["steps"], rank, own["faults"])
+    for case in cases:
         code, took, last = run(case.name, case.env)
         if case.rerun and code == EXIT_PREEMPTED:
             code, again, last = run(case.name, {})
@@ -220,9 +217,10 @@ def main(args: argparse.Namespace) -> int:
         rows.append([f"{what} (rank {rank})", case.moment, f"{took:.1f} s", result,
                      diagnosis(root / case.name / "recovery")])
         print(f"  {what}: {result}", flush=True)
-    skipped = [f for f in own["faults"] if f not in {r for r in (c.name for c in plan(facts, own['steps'], rank,
-                                                                                          own['faults']))}]
-    print("\n" + table(["fault", "moment", "took", "result", "audit"], rows))
+    skipped = [f for f in own["faults"] if f not in {c.name for c in cases}]
+    from ..obs.report import table
+
+    print("\n" + table(["fault", "moment", "took", "result", "audit"], rows, left=True))
     for name in skipped:
         print(f"not run: {name} ({'no collective outside a step' if name == 'outside' else 'no epoch ended'} "
               f"within {own['steps']} steps)")

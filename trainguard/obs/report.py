@@ -28,11 +28,11 @@ def recovery_rows(tl: Timeline) -> list[list[str]]:
     return rows
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
+def table(header: list[str], rows: list[list[str]], *, left: bool = False) -> str:
+    """Columns as wide as their widest cell, right-aligned (numbers), or left-aligned (text) with `left`."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+    return "\n".join("  ".join(c.ljust(w) if left else c.rjust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header, *rows])
 
 
 def render(tl: Timeline) -> str:

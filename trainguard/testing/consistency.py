@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from ..errors import TrainguardError
 from ..train.engine.callbacks import Callback
+from ..train.engine.probe import digest
 from ..worker.transfer import all_gather_bytes
 
 
@@ -16,13 +15,8 @@ class ReplicasDiverged(TrainguardError):
 
 
 def parameter_digest(module: torch.nn.Module) -> bytes:
-    """sha256 over every parameter's name, dtype, shape and bytes, in state_dict order."""
-    h = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        t = tensor.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.digest()
+    """sha256 over every entry of the module's state_dict: names, dtypes, shapes and bytes (0-dim buffers too)."""
+    return bytes.fromhex(digest(module.state_dict()))
 
 
 class ReplicaCheck(Callback):
