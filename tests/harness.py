@@ -134,6 +134,37 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def run_logged(cmd: list[str], out: Path, job_env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`trainguard run ...` with its output in OUT/stdout.log and OUT/stderr.log. A run still going after `timeout`
+    fails the test with what it was doing: every worker's stacks (SIGUSR2, worker/hang.py), the job's recovery
+    report, and the launcher's last lines."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "stdout.log", "w") as so, open(out / "stderr.log", "w") as se:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=job_env, stdout=so, stderr=se, text=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for e in events(out):
+                if e["event"] == "registered":
+                    with contextlib.suppress(OSError):
+                        os.kill(e["pid"], signal.SIGUSR2)
+            time.sleep(2)
+            proc.terminate()  # the launcher forwards it to its workers
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            report = subprocess.run([sys.executable, "-m", "trainguard", "report", str(out / "recovery")], cwd=REPO,
+                                    env=job_env, capture_output=True, text=True, timeout=60)
+            import pytest
+
+            pytest.fail(f"still running after {timeout:g} s:\n{report.stdout}{report.stderr}\n"
+                        f"{(out / 'stdout.log').read_text()[-3000:]}\n--- stderr ---\n"
+                        f"{(out / 'stderr.log').read_text()[-20000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, (out / "stdout.log").read_text(),
+                                       (out / "stderr.log").read_text())
+
+
 def deaths(ev: list[dict]) -> list[tuple[str, str]]:
     """(node, kind) of every worker the scheduler took for failed. A ``collective`` report is left out: it names
     the survivor that saw a collective fail (it stays alive, only the generation ends), and whether a survivor's

@@ -25,12 +25,13 @@ pytestmark = pytest.mark.timeout(240)
 DESYNC_JOB, HANG_JOB = REPO / "tests" / "jobs" / "desync.py", REPO / "tests" / "jobs" / "hang.py"
 
 
-def run(out: Path, script: Path, *args: str, flags: tuple = ()) -> tuple[subprocess.CompletedProcess, float]:
+def run(out: Path, script: Path, *args: str, flags: tuple = (),
+        extra: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "3", "--recovery-path",
                            str(out / "recovery"), *flags, str(script), *args],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=200)
+                          cwd=REPO, env=env(**(extra or {})), capture_output=True, text=True, timeout=200)
     (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     return proc, time.monotonic() - t0
 
@@ -70,9 +71,21 @@ def test_collectives_that_do_not_match_end_the_job_naming_both_calls(tmp_path, m
     assert "Likely cause" in proc.stderr
 
 
-def test_a_rank_stuck_in_its_own_code_is_replaced_and_the_job_ends_bit_identical(tmp_path):
-    want, _ = run(tmp_path / "uninterrupted", HANG_JOB, str(tmp_path / "uninterrupted" / "final"))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    want, _ = run(out, HANG_JOB, str(out / "final"))
     assert want.returncode == 0, want.stderr[-3000:]
+    return out / "final"
+
+
+def assert_as_uninterrupted(final: Path, want: Path) -> None:
+    for r in range(3):
+        assert_identical(torch.load(final / f"rank_{r}.pt", weights_only=True),
+                         torch.load(want / f"rank_{r}.pt", weights_only=True), f"rank {r}")
+
+
+def test_a_rank_stuck_in_its_own_code_is_replaced_and_the_job_ends_bit_identical(tmp_path, uninterrupted):
     proc, took = run(tmp_path / "hung", HANG_JOB, str(tmp_path / "hung" / "final"), "stuck",
                      flags=("--hang-timeout", "3"))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -81,10 +94,21 @@ def test_a_rank_stuck_in_its_own_code_is_replaced_and_the_job_ends_bit_identical
     assert [e["rank"] for e in events(tmp_path / "hung") if e["event"] == "hang_detected"] == [1]
     assert "recovery 1:" in proc.stdout
     assert took < 90  # the sleep was 600 s
-    for r in range(3):
-        assert_identical(torch.load(tmp_path / "hung" / "final" / f"rank_{r}.pt", weights_only=True),
-                         torch.load(tmp_path / "uninterrupted" / "final" / f"rank_{r}.pt", weights_only=True),
-                         f"rank {r}")
+    assert_as_uninterrupted(tmp_path / "hung" / "final", uninterrupted)
+
+
+@pytest.mark.parametrize("mode", ["side", "side-untracked"])
+def test_a_rank_left_waiting_on_a_live_peer_that_went_back_is_freed(tmp_path, uninterrupted, mode):
+    """Rank 2 is killed; rank 0's collective with it fails and rank 0 goes back to its commit, while rank 1 waits
+    for rank 0 on a group of the script's own (tests/jobs/hang.py). Made with torch's `new_group`, its connections
+    are cut with the generation's at once. Made where trainguard did not see it, rank 1 would wait the backend's
+    whole timeout (120 s): the left-behind watchdog prints its stacks and replaces it after 10 s instead."""
+    proc, took = run(tmp_path, HANG_JOB, str(tmp_path / "final"), mode, extra={"TG_FAULT": "2:5:kill"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    left_behind = "still waits" in proc.stderr and "in <module>" in proc.stderr  # its message, then its stack
+    assert left_behind == (mode == "side-untracked"), proc.stderr[-4000:]
+    assert took < 90, proc.stderr[-4000:]
+    assert_as_uninterrupted(tmp_path / "final", uninterrupted)
 
 
 def test_without_a_hang_timeout_a_slow_rank_is_left_alone():

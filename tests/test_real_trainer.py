@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, assert_identical, env, events
+from harness import REPO, assert_identical, env, events, run_logged
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,12 +29,11 @@ EPOCHS = 2  # 3 ranks: 24 batches of 20 a rank an epoch, 2 per step: 12 steps an
 def run(out: Path, workers: int, *, fault: str = "", at_collective: str = "", spares: int = 0, script: Path = PORT):
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    proc = subprocess.run(
+    proc = run_logged(
         [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--hot-spares", str(spares),
          "--recovery-path", str(out / "recovery"), str(script), "--epochs", str(EPOCHS),
          "--snapshot", str(out / "snapshot.pt"), "--out", str(out / "final")],
-        cwd=REPO, env=env(TG_FAULT=fault, TG_FAULT_COLLECTIVE=at_collective), capture_output=True, text=True,
-        timeout=240)
+        out, env(TG_FAULT=fault, TG_FAULT_COLLECTIVE=at_collective), 240)
     took = time.monotonic() - t0
     (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -53,7 +52,7 @@ def why_slow(out: Path, took: float, fault_free: float) -> str:
     report = subprocess.run([sys.executable, "-m", "trainguard", "report", str(out / "recovery")], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     return (f"{took:.1f} s against {fault_free:.1f} s without a fault\n{report.stdout}{report.stderr}\n"
-            + (out / "launcher.log").read_text()[-8000:])
+            + (out / "launcher.log").read_text()[-20000:])
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, env
+from harness import REPO, env, run_logged
 
 import trainguard as tg
 from trainguard.checkpoint.codec import flatten_state
@@ -45,10 +45,8 @@ def run(tmp: Path, name: str, layout: str, *args: str, faults: str = "", expect:
            "--recovery-path", str(out / "recovery"), str(JOB), layout, str(out), *args]
     extra = {"TG_CHECKPOINT_DIR": str(ckpt)} if ckpt is not None else {}
     extra["TG_FAULT_COLLECTIVE"] = at_collective
-    proc = subprocess.run(cmd, cwd=REPO, env=env(TG_FAULT=faults, **extra), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_logged(cmd, out, env(TG_FAULT=faults, **extra), 300)
     log = proc.stdout + "\n--- stderr ---\n" + proc.stderr
-    out.mkdir(parents=True, exist_ok=True)
     (out / "launcher.log").write_text(log)
     assert proc.returncode == expect, log[-5000:]
     return log

@@ -246,13 +246,16 @@ class Heartbeater(threading.Thread):
 
     def __init__(self, address: Address, identity: Identity, interval: float, *, step_fn=lambda: -1,
                  on_news=lambda: None, secret: bytes | None = None, relay: str | None = None,
-                 waits_fn=lambda: (None, None), on_hang=lambda why: None):
+                 waits_fn=lambda: (None, None), on_hang=lambda why: None, on_beat=lambda: None,
+                 on_stacks=lambda why: None):
         super().__init__(name="trainguard-heartbeat", daemon=True)
         self.address, self.identity, self.interval, self.secret = address, identity, interval, secret
         self.step_fn = step_fn
         self.waits_fn = waits_fn  # (the collective it waits in, seconds since its last progress)
         self.on_news = on_news  # called from this thread when the generation moves or we are fenced
         self.on_hang = on_hang  # called from this thread when the scheduler judged this worker hung
+        self.on_beat = on_beat  # called from this thread after each answered heartbeat
+        self.on_stacks = on_stacks  # called from this thread when the scheduler asks for this worker's stacks
         self.generation_seen = 0
         self.formed = False
         self.job_over = False
@@ -291,6 +294,9 @@ class Heartbeater(threading.Thread):
                     self.on_news()
                 if reply.hang:
                     self.on_hang(reply.hang)
+                if reply.stacks:
+                    self.on_stacks(f"generation {reply.generation} has waited long for this worker to join")
+                self.on_beat()
                 self.connected.set()
                 delay = BACKOFF_START_S
                 self._halt.wait(self.interval)

@@ -237,6 +237,7 @@ class HeartbeatAck(Msg):
     job_over: bool = False
     hang: Text = ""  # this worker made no progress while its peers waited: print its stacks and end (a fault)
     verdict: Annotated[int, Field(ge=0, le=255)] = 0  # the job ended on a verdict about the script (exitcodes.VERDICTS)
+    stacks: bool = False  # a generation has waited long for this worker to join: print its stacks (and go on)
 
 
 class Formed(Msg):

@@ -324,7 +324,7 @@ class Scheduler:
         hang = self.watch.beat(node, req.waiting, req.idle)
         c = self.cluster
         return p.HeartbeatAck(generation=c.generation, formed=c.formed, job_over=c.job is not m.JobState.RUNNING,
-                              hang=hang, verdict=self.watch.verdict or 0)
+                              hang=hang, verdict=self.watch.verdict or 0, stacks=self.watch.stacks_asked(node))
 
     def _fail(self, node_id: str, incarnation: int | None, kind: p.FailureKind, detail: str, *,
                     final: bool = False) -> None:

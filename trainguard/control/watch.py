@@ -19,8 +19,10 @@ a size mismatch) that failed at the same collective number with other calls show
 from __future__ import annotations
 
 import logging
+import time
 
 from ..exitcodes import EXIT_DESYNC, EXIT_NOT_EXACT
+from . import formation as fm
 from . import membership as m
 from . import protocol as p
 from .msgbase import for_log
@@ -28,6 +30,7 @@ from .waits import ADVICE, Desync, Waiting, find_desync, find_hang, mismatch, re
 
 log = logging.getLogger("trainguard.scheduler")
 
+SLOW_FORMATION_S = 30.0  # a generation not formed after this long is said once, with the members it waits for
 SETTLE_S = 5.0  # waits this long at different collectives are no race: ranks a moment apart never look so, even
 # on a loaded machine (the same collective with other calls needs no wait: it is a desync at once)
 
@@ -45,6 +48,9 @@ class Watch:
         # heartbeat's reply; its replacement is another incarnation)
         self.repaired_at: int | None = None  # the job step of the last repair by a rewind
         self.verdict: int | None = None  # the exit code of the verdict that ended the job (EXIT_DESYNC, EXIT_NOT_EXACT)
+        self.forming: tuple[int, float] = (0, 0.0)  # (generation, since when) of the generation not formed yet
+        self.late: set[tuple[str, int]] = set()  # (node id, incarnation) of live members a slow formation waits for:
+        # told in their next heartbeat's reply to print their stacks
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -58,6 +64,14 @@ class Watch:
         if idle is not None:
             self.idle[node.rank] = idle
         return self.hung.get((node.node_id, node.incarnation), "")
+
+    def stacks_asked(self, node: m.Node) -> bool:
+        """Is this member to print its stacks (once: a slow formation waits for it)?"""
+        key = (node.node_id, node.incarnation)
+        if key in self.late:
+            self.late.discard(key)
+            return True
+        return False
 
     def failure(self, node: m.Node, at: Waiting | None) -> None:
         """A survivor's collective failed at `at`."""
@@ -80,6 +94,8 @@ class Watch:
 
     def check(self) -> None:
         c = self.s.cluster
+        if c.job is m.JobState.RUNNING and not c.formed:
+            self._slow_formation(c)
         if c.job is not m.JobState.RUNNING or not c.formed:
             return
         alive = {n.rank for n in c.alive()}
@@ -100,6 +116,20 @@ class Watch:
                 log.warning("%s; it prints its stacks and is replaced", why)
                 self.s.events.emit("hang_detected", node=node.node_id, rank=rank, idle_s=round(seconds, 1),
                                    generation=c.generation)
+
+    def _slow_formation(self, c: m.Cluster) -> None:
+        """Say once which members a generation still waits for after SLOW_FORMATION_S; the live ones that have
+        not joined print their stacks (told in their heartbeat's reply), so the log shows where they are."""
+        now = time.monotonic()
+        gen, since = self.forming
+        if gen != c.generation:
+            self.forming = (c.generation, now)
+        elif since and now - since >= SLOW_FORMATION_S:
+            self.forming = (gen, 0.0)
+            missing = fm.missing_for_formation(c)
+            log.warning("generation %d has waited %.0f s to form; missing: %s", gen, now - since, missing)
+            self.late = {(n.node_id, n.incarnation) for n in c.alive() if n.node_id not in c.joined}
+            self.s.events.emit("slow_formation", generation=gen, waited_s=round(now - since, 1), missing=missing)
 
     # --- verdicts -------------------------------------------------------------------------------
 

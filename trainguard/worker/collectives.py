@@ -33,6 +33,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..errors import CollectiveFailed
 from .ledger import ledger
+from .sever import open_sockets
 
 NAMES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
          "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
@@ -65,6 +66,7 @@ class Failures:
 failures = Failures()
 observers: list = []  # callables (name) run before each synchronous collective: fault injection (train/engine/faults.py)
 _generation = lambda: -1  # noqa: E731  the current generation (set by install)
+_on_group = lambda before, group: None  # noqa: E731  a process group was made (set by install)
 
 
 def _typed(name: str, gen: int, point, call, *args, **kwargs):
@@ -166,13 +168,32 @@ def _wrap_functional(name: str, fn):
     return functional
 
 
-def install(generation) -> None:
-    """Wrap the collectives once per process; `generation()` names the current generation."""
-    global _installed, _generation
+def _wrap_group_maker(fn):
+    """torch's one maker of process groups after the default one (`new_group`, `new_subgroups`, a DeviceMesh's
+    dimensions all come through it): `_on_group(sockets before, group)` learns of each, so that its gloo
+    connections are cut with the generation's (worker/sever.py), wherever the script or a library made it."""
+    @functools.wraps(fn)
+    def maker(*args, **kwargs):
+        before = open_sockets()
+        group = fn(*args, **kwargs)
+        _on_group(before, group)
+        return group
+
+    maker.__trainguard_wrapped__ = fn
+    return maker
+
+
+def install(generation, on_group=lambda before, group: None) -> None:
+    """Wrap the collectives once per process; `generation()` names the current generation, `on_group(sockets
+    before, group)` is told of every process group made after the default one."""
+    global _installed, _generation, _on_group
     with _lock:
-        _generation = generation
+        _generation, _on_group = generation, on_group
         if _installed:
             return
+        maker = getattr(c10d, "_new_group_with_tag", None)  # private, so looked up: without it, only the
+        if maker is not None and not hasattr(maker, "__trainguard_wrapped__"):  # groups trainguard makes are cut
+            c10d._new_group_with_tag = _wrap_group_maker(maker)
         for name in NAMES:
             fn = getattr(c10d, name, None)
             if fn is None or hasattr(fn, "__trainguard_wrapped__"):

@@ -9,6 +9,8 @@ keeps, at a cost of about a microsecond a call:
 - `waiting`: the collective a thread of this rank is blocked in (a synchronous call, or the `wait()`
   of an asynchronous one), with when it began;
 - `failed`: the collective that raised, the last time one did;
+- `blocked_since`: when a thread began to wait in any collective, point-to-point ones included (hang.py's
+  LeftBehind: one still blocked long after the cluster left its generation was not cut loose);
 - `progress`: when this rank last did something the job can see (a collective entered or done, a
   step begun or committed, a training batch).
 
@@ -103,10 +105,12 @@ class Ledger:
         self.failed: Point | None = None
         self.failed_site = ""
         self.progress = time.monotonic()
+        self.blocked_since: float | None = None  # a thread blocked in any collective, point-to-point ones too
 
     def reset(self, generation: int) -> None:
         """A new generation's group: every sequence starts again."""
         self.seq, self.generation, self.waiting, self.failed, self.failed_site = {}, generation, None, None, ""
+        self.blocked_since = None
         self.progress = time.monotonic()
         self.comparable = rewinding.available() or generation == 1
 
@@ -125,12 +129,14 @@ class Ledger:
         return Point("", self.seq.get("", 0) + 1, END_OF_SCRIPT, "")
 
     def wait(self, point: Point | None) -> None:
-        """This thread blocks until `point` completes."""
+        """This thread blocks until `point` completes (None: a point-to-point call, only timed)."""
+        self.blocked_since = time.monotonic()
         if point is not None:
             self.waiting, self.since, self.thread = point, time.monotonic(), threading.get_ident()
 
     def done(self, point: Point | None) -> None:
         self.progress = time.monotonic()
+        self.blocked_since = None
         if self.waiting is point:
             self.waiting = None
 
@@ -138,6 +144,7 @@ class Ledger:
         """`point` raised: kept for the failure report, with the script's line."""
         if point is not None and self.failed is None:
             self.failed, self.failed_site = point, call_site(sys._getframe(2))
+        self.blocked_since = None
         if self.waiting is point:
             self.waiting = None
 

@@ -29,8 +29,8 @@ from ..control.outcomes import ErrorDecision
 from ..control.reports import ErrorReport
 from ..errors import ClusterFailed, ConfigError, FencedError, SchedulerUnavailable, TrainguardError
 from ..obs.events import EventLog
-from . import collectives
-from .hang import die_hung
+from . import collectives, embedded, graveyard
+from .hang import LeftBehind, die_hung, dump_on_request, print_stacks
 from .ledger import beat, failed_at, ledger
 from .mpchild import refuse_a_rerun_by_multiprocessing
 from .sever import GroupSockets, open_sockets, scheduler_peers
@@ -46,11 +46,9 @@ ERROR_VOTE_S = 30.0  # how long a rank whose script raised waits to learn whethe
 class Runtime:
     def __init__(self, cfg: C.ClusterConfig):
         self.cfg = cfg
-        self.scheduler = None  # rank 0 under torchrun/mpirun: the scheduler child it supervises (sched_child.py)
-        if cfg.embedded_scheduler:
-            cfg = self._host_scheduler(cfg)
-        elif cfg.mode is C.LaunchMode.TORCHRUN and cfg.sched_port == 0:
-            cfg = self._find_scheduler(cfg)
+        # rank 0 under torchrun/mpirun: the scheduler child it supervises (sched_child.py), and torchrun's store
+        # that publishes its port (kept: if this rank hosts that store, it must outlive the call)
+        self.scheduler, self._launch_store, cfg = embedded.scheduler_for(cfg)
         self.cfg = cfg
         self.address = (cfg.sched_host, cfg.sched_port)
         self.client = SchedulerClient(self.address, connect_timeout=cfg.connect_timeout, secret=cfg.secret)
@@ -63,6 +61,7 @@ class Runtime:
         self.world_size = 0
         self.local_rank = 0
         self.group: dist.ProcessGroup | None = None
+        self._groups: list[dist.ProcessGroup] = []  # the groups made after it in this generation
         self.members: frozenset[tuple[str, int]] = frozenset()  # (node id, incarnation) of the formed generation
         self._sockets = GroupSockets({})
         self.backend = ""
@@ -75,36 +74,6 @@ class Runtime:
         self._error: str = ""
         self._register()
 
-    # --- the scheduler, a child process of rank 0 (torchrun / mpirun) -------------------------
-
-    def _host_scheduler(self, cfg: C.ClusterConfig) -> C.ClusterConfig:
-        """Start the scheduler as a child process (restarted if it dies; it ends with this rank's job). Under
-        torchrun without TG_SCHED_PORT it binds port 0 and this rank publishes the port in torchrun's store."""
-        from ..control.sched_child import SchedulerProcess
-
-        self.scheduler = SchedulerProcess(cfg)
-        cfg = _replace(cfg, sched_port=self.scheduler.start())
-        if cfg.mode is C.LaunchMode.TORCHRUN and self.cfg.sched_port == 0:
-            self._launch_store = self._torchrun_store()  # kept: if this rank hosts that store, it must outlive the call
-            self._launch_store.set("trainguard/scheduler", f"{cfg.sched_host}:{cfg.sched_port}")
-        return cfg
-
-    def _find_scheduler(self, cfg: C.ClusterConfig) -> C.ClusterConfig:
-        addr = self._torchrun_store().get("trainguard/scheduler").decode()
-        host, port = addr.rsplit(":", 1)
-        return _replace(cfg, sched_host=host, sched_port=int(port))
-
-    def _torchrun_store(self) -> dist.TCPStore:
-        """torchrun's own store publishes the embedded scheduler's port (no fixed port needed)."""
-        env = os.environ
-        port = env.get(C.TORCHRUN_PORT, "")
-        if not port.isdigit():
-            raise ConfigError(f"{C.TORCHRUN_PORT}={port!r}: torchrun mode needs it (or set TG_SCHED_PORT)")
-        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
-        is_master = self.cfg.embedded_scheduler and not agent_store
-        return dist.TCPStore(self.cfg.sched_host, int(port), is_master=is_master, wait_for_workers=False,
-                             timeout=timedelta(seconds=self.cfg.connect_timeout))
-
     # --- membership ------------------------------------------------------------------------
 
     def _register(self) -> None:
@@ -115,8 +84,10 @@ class Runtime:
         log.info("registered as %s (incarnation %d)", self.node_id, self.incarnation)
         self.heart = Heartbeater(self.address, self.client.identity, self.cfg.heartbeat_interval,
                                  step_fn=lambda: self.step, on_news=self._on_news, secret=self.cfg.secret,
-                                 relay=self.cfg.beat_socket, on_hang=die_hung,
-                                 waits_fn=lambda: beat(self.cfg.heartbeat_interval))
+                                 relay=self.cfg.beat_socket, on_hang=die_hung, on_stacks=print_stacks,
+                                 waits_fn=lambda: beat(self.cfg.heartbeat_interval),
+                                 on_beat=LeftBehind(lambda: self.generation, lambda: self.heart.generation_seen,
+                                                    max(10.0, 2 * self.cfg.heartbeat_timeout)).check)
         self.heart.start()
 
     def form(self) -> p.Formed:
@@ -155,13 +126,13 @@ class Runtime:
         self._sockets.sever(reason)
 
     def _on_news(self) -> None:
-        """Heartbeat thread: the cluster left our generation. Cut our group's connections, so a
-        collective blocked on a peer that went to regroup (alive, so its sockets stay open) fails
-        now instead of after the collective timeout."""
+        """Heartbeat thread: the cluster left our generation. Cut our group's connections, so a collective blocked
+        on a peer that went to regroup (alive, its sockets open) fails now, not after the collective timeout."""
         if self.membership_changed():
-            self._sockets.sever(f"the cluster moved past generation {self.generation}")
+            why = f"the cluster moved past generation {self.generation}"
+            self._sockets.sever(why)
             if self.backend == "nccl":
-                self._abort_nccl(f"the cluster moved past generation {self.generation}")
+                self._abort_nccl(why)
 
     def _abort_nccl(self, why: str) -> None:
         """NCCL has a real abort: a survivor blocked in a collective with a dead peer is released at once
@@ -176,11 +147,16 @@ class Runtime:
             except (RuntimeError, ValueError) as exc:
                 log.warning("aborting the NCCL group of generation %d: %s", self.generation, exc)
 
-    def track_sockets(self, before: dict[int, str]) -> None:
-        """Gloo sockets opened since `before` (a mesh's subgroups, a side group) are cut with this
-        generation's group: a collective blocked in them fails at once too."""
-        self._sockets.add(GroupSockets.since(before, exclude_peers=scheduler_peers(*self.address)))
-        self._on_news()
+    def track_group(self, before: dict[int, str], group) -> None:
+        """A group made after the default one (a mesh's dimensions, a side group, the script's own `new_group`):
+        its gloo sockets, opened since `before`, are cut with this generation's group, so that a collective
+        blocked in them fails at once too. NCCL's are not ours to cut (it is aborted)."""
+        if not isinstance(group, dist.ProcessGroup):  # this rank is not a member
+            return
+        self._groups.append(group)  # dropped with the generation (graveyard.py)
+        if "gloo" in str(dist.get_backend(group)):
+            self._sockets.add(GroupSockets.since(before, exclude_peers=scheduler_peers(*self.address)))
+            self._on_news()
 
     def _backend(self) -> str:
         want = self.cfg.backend
@@ -228,7 +204,8 @@ class Runtime:
                 dist.destroy_process_group()
             except (RuntimeError, ValueError, AssertionError) as exc:
                 log.warning("dropping the broken group: %s", exc)
-        self.group = None
+        graveyard.bury([self.group, *self._groups])  # never destroyed here: that may wait for stuck work
+        self.group, self._groups = None, []
 
     def report_failure(self, detail: str, kind: p.FailureKind = p.FailureKind.COLLECTIVE) -> None:
         try:
@@ -309,12 +286,6 @@ def _reset_group_names() -> None:
         c10d._world.group_count = 0
 
 
-def _replace(cfg: C.ClusterConfig, **changes) -> C.ClusterConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, **changes)
-
-
 def init(env=None) -> Runtime:
     """Join the cluster described by the environment (TG_*/MS_* variables, or torchrun's or mpirun's).
     A scheduler-role process serves and exits here.
@@ -329,7 +300,8 @@ def init(env=None) -> Runtime:
     - an atexit handler says goodbye to the scheduler;
     - RANK, WORLD_SIZE and LOCAL_RANK are set to this generation's values, as torchrun sets them;
     - torch.distributed's collective functions are wrapped so that a failure comes out typed
-      (`CollectiveFailed`, worker/collectives.py).
+      (`CollectiveFailed`, worker/collectives.py);
+    - SIGUSR2 prints every thread's stack to stderr (faulthandler; worker/hang.py), where it would end it.
     Called again after a rewind (the script runs again in this process), it joins the next generation.
     Signal handlers (SIGTERM, SIGINT, SIGUSR1) come with the training wrappers, not with init()."""
     global _runtime
@@ -348,6 +320,7 @@ def init(env=None) -> Runtime:
     logging.basicConfig(level=os.environ.get(C.LOG_LEVEL_ENV, "WARNING").upper(),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dump_on_request()
     rt = Runtime(cfg)
     previous_hook = sys.excepthook
 
@@ -358,7 +331,7 @@ def init(env=None) -> Runtime:
     sys.excepthook = hook
     rewinding.set_error_vote(rt.raised_everywhere)
     atexit.register(rt._at_exit)
-    collectives.install(lambda: rt.generation)  # every collective's failure comes out typed
+    collectives.install(lambda: rt.generation, rt.track_group)  # failures typed, every group's sockets cut
     rt.form()
     _runtime = rt
     _export(rt)

@@ -64,12 +64,15 @@ class GroupSockets:
         for fd, link in open_sockets().items():
             if before.get(fd) == link:
                 continue
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    continue
-                peer = _peer(sock)
-                if peer is None or peer in exclude_peers:
-                    continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        continue
+                    peer = _peer(sock)
+            except OSError:  # another thread closed it since the listing (its number may name a file now)
+                continue
+            if peer is None or peer in exclude_peers:
+                continue
             kept[fd] = link
         return cls(kept)
 

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from ...control.outcomes import CopyKind, RestoreDecision, SourceKind
 from ...errors import RecoveryError
 from ...meshspec import ShardMap
-from ...worker.sever import open_sockets
 from ...worker.transfer import recv_bytes, send_bytes
 from .buddy import Copies, Exchange, HostCopy, propose_every
 from .sharding import shard_map
@@ -69,9 +68,7 @@ class LiveCopies:
         rt = self.session.rt
         self.close()
         self.shards = shard_map(self.session.state.model, rt.group, rt.rank, rt.world_size)
-        before = open_sockets()
         side = dist.new_group(backend="gloo")  # the copies go host to host, beside the training collectives
-        rt.track_sockets(before)
         rank, shards = rt.rank, self.shards
         buddy, ward = shards.buddy(rank), shards.ward(rank)
         self.exchange = Exchange(_copies, side, shards.shard_of(rank), buddy, ward,

@@ -31,8 +31,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ...meshspec import ShardMap
-from ...worker import runtime as rt_mod
-from ...worker.sever import open_sockets
 
 try:
     from torch.distributed.tensor import DTensor, Replicate
@@ -65,14 +63,11 @@ def parallelize_module(module, *args, **kwargs):
 
 
 def init_device_mesh(device_type: str, mesh_shape, *args, **kwargs):
-    """torch's `init_device_mesh`; the sockets of the groups it opens are cut with this generation's."""
+    """torch's `init_device_mesh`, kept as the job's mesh (the sockets of the groups it opens are cut with this
+    generation's, as every group's: worker/collectives.py)."""
     from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 
-    rt = rt_mod.active()
-    before = open_sockets()
     mesh = torch_init_device_mesh(device_type, tuple(mesh_shape), *args, **kwargs)
-    if rt is not None and rt.backend == "gloo":  # NCCL's own connections are not ours to cut (it is aborted)
-        rt.track_sockets(before)
     _meshes[:] = [mesh]
     return mesh
 
