@@ -19,6 +19,7 @@ from harness import REPO, assert_identical, env, events
 
 from trainguard.control.waits import END_OF_SCRIPT, Waiting, find_desync, find_hang, mismatch, rewind_first
 from trainguard.exitcodes import EXIT_DESYNC
+from trainguard.worker.hang import left_behind
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -164,3 +165,10 @@ def test_a_desync_after_a_recovery_is_rewound_once_a_step_and_one_before_any_end
     assert rewind_first(2, 5, None)  # after a recovery: the ranks may have come back disagreeing
     assert not rewind_first(3, 5, 5)  # again at the same step: the rewind did not help
     assert rewind_first(3, 9, 5)
+
+
+def test_a_thread_is_left_behind_only_once_it_has_waited_the_limit_since_it_knew():
+    assert left_behind(now=20.0, news_at=10.0, blocked_since=5.0, limit=10.0)  # blocked before the news: 10 s after it
+    assert not left_behind(now=19.0, news_at=10.0, blocked_since=5.0, limit=10.0)
+    assert not left_behind(now=20.0, news_at=10.0, blocked_since=15.0, limit=10.0)  # blocked after: 10 s from then
+    assert not left_behind(now=99.0, news_at=10.0, blocked_since=None, limit=10.0)  # in no collective: never
