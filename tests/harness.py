@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import trainguard as tg
@@ -156,8 +157,6 @@ def run_logged(cmd: list[str], out: Path, job_env: dict[str, str], timeout: floa
                 proc.kill()
             report = subprocess.run([sys.executable, "-m", "trainguard", "report", str(out / "recovery")], cwd=REPO,
                                     env=job_env, capture_output=True, text=True, timeout=60)
-            import pytest
-
             pytest.fail(f"still running after {timeout:g} s:\n{report.stdout}{report.stderr}\n"
                         f"{(out / 'stdout.log').read_text()[-3000:]}\n--- stderr ---\n"
                         f"{(out / 'stderr.log').read_text()[-20000:]}")
