@@ -130,9 +130,9 @@ class Ledger:
 
     def wait(self, point: Point | None) -> None:
         """This thread blocks until `point` completes (None: a point-to-point call, only timed)."""
-        self.blocked_since = time.monotonic()
+        self.blocked_since = now = time.monotonic()
         if point is not None:
-            self.waiting, self.since, self.thread = point, time.monotonic(), threading.get_ident()
+            self.waiting, self.since, self.thread = point, now, threading.get_ident()
 
     def done(self, point: Point | None) -> None:
         self.progress = time.monotonic()
