@@ -10,3 +10,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# the oldest Accelerate that trainguard[accelerate] accepts, beside the pinned one: tests/test_accelerate.py runs it too
+oldest=$(sed -n 's/^accelerate = \["accelerate>=\([0-9.]*\)"\].*/\1/p' pyproject.toml)
+if [ -n "$oldest" ] && [ ! -f ".venv/accelerate-oldest/accelerate-$oldest.dist-info/METADATA" ]; then
+  rm -rf .venv/accelerate-oldest
+  .venv/bin/python -m pip install -q --no-deps --target .venv/accelerate-oldest "accelerate==$oldest" \
+    || echo "accelerate==$oldest not installed; its test will be skipped"
+fi

@@ -30,6 +30,8 @@ def test_the_example_trainer_is_identical_under_every_fault(tmp_path):
         "kill -9 in a step", "kill -9 after a commit", "kill -9 outside a step", "kill -9 at an epoch's end",
         "SIGTERM and a rerun"], proc.stdout
     assert all("identical" in r and "differs" not in r for r in rows), proc.stdout
+    sched = [ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9 of the scheduler")]
+    assert len(sched) == 1 and "right after step 7" in sched[0] and "identical" in sched[0], proc.stdout
     assert "every run is identical to the one without a fault" in proc.stdout
     for run in ("clean", "mid-step", "sigterm"):  # its own snapshot.pt, in its own directory
         assert (tmp_path / run / "snapshot.pt").exists()
@@ -78,3 +80,4 @@ def test_the_faults_follow_what_the_clean_run_saw():
     assert plan({"outside": None, "epoch_end": 30}, 20, 1, ["outside", "epoch-end"]) == []  # neither happened
     assert plan({}, 20, 0, ["sigterm"]) == [Case("sigterm", "after step 10, then the same command again",
                                                   {"TG_FAULT": "0:10:term"}, rerun=True)]
+    assert plan({}, 20, 1, ["scheduler"]) == [Case("scheduler", "right after step 10", {"TG_FAULT": "1:10:sched"})]

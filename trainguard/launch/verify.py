@@ -8,6 +8,7 @@ The faults (rank 1, or 0 alone; steps about the middle of the N):
     outside       kill -9 at the first collective it made outside a step in the clean run (an eval all_reduce,
                   a barrier), if it made one
     epoch-end     kill -9 right after the first epoch's last step, if the N steps reach one
+    scheduler     kill -9 of the scheduler right after a commit (the launcher restarts it, the job goes on)
     sigterm       SIGTERM (a graceful stop and its dying gasp), then the same command again
 
 Each run has its own working directory (the script's own relative files, such as its snapshot, do not leak from
@@ -30,7 +31,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..exitcodes import EXIT_PREEMPTED
 
-FAULTS = ("mid-step", "after-commit", "outside", "epoch-end", "sigterm")
+FAULTS = ("mid-step", "after-commit", "outside", "epoch-end", "scheduler", "sigterm")
 OWN = {"--steps", "--faults", "--keep", "--timeout", "--recovery-path"}  # not passed on to each run
 
 
@@ -91,6 +92,8 @@ def plan(facts: dict, steps: int, rank: int, wanted: list[str]) -> list[Case]:
         elif name == "epoch-end" and facts.get("epoch_end") and facts["epoch_end"] < steps:
             e = facts["epoch_end"]
             cases.append(Case(name, f"right after step {e}, the first epoch's last", {"TG_FAULT": f"{rank}:{e}:kill"}))
+        elif name == "scheduler":
+            cases.append(Case(name, f"right after step {k}", {"TG_FAULT": f"{rank}:{k}:sched"}))
         elif name == "sigterm":
             cases.append(Case(name, f"after step {k}, then the same command again", {"TG_FAULT": f"{rank}:{k}:term"},
                               rerun=True))
@@ -213,8 +216,8 @@ def main(args: argparse.Namespace) -> int:
         failed |= result != "identical"
         what = {"mid-step": "kill -9 in a step", "after-commit": "kill -9 after a commit",
                 "outside": "kill -9 outside a step", "epoch-end": "kill -9 at an epoch's end",
-                "sigterm": "SIGTERM and a rerun"}[case.name]
-        rows.append([f"{what} (rank {rank})", case.moment, f"{took:.1f} s", result,
+                "scheduler": "kill -9 of the scheduler", "sigterm": "SIGTERM and a rerun"}[case.name]
+        rows.append([what if case.name == "scheduler" else f"{what} (rank {rank})", case.moment, f"{took:.1f} s", result,
                      diagnosis(root / case.name / "recovery")])
         print(f"  {what}: {result}", flush=True)
     skipped = [f for f in own["faults"] if f not in {c.name for c in cases}]

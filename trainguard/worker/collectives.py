@@ -174,6 +174,7 @@ def _wrap_group_maker(fn):
     connections are cut with the generation's (worker/sever.py), wherever the script or a library made it."""
     @functools.wraps(fn)
     def maker(*args, **kwargs):
+        _generation()  # in the current generation (a script run again after a rewind may not have called init)
         before = open_sockets()
         group = fn(*args, **kwargs)
         _on_group(before, group)

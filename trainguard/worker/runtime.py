@@ -331,7 +331,7 @@ def init(env=None) -> Runtime:
     sys.excepthook = hook
     rewinding.set_error_vote(rt.raised_everywhere)
     atexit.register(rt._at_exit)
-    collectives.install(lambda: rt.generation, rt.track_group)  # failures typed, every group's sockets cut
+    collectives.install(lambda: joined().generation, rt.track_group)  # failures typed, every group's sockets cut
     rt.form()
     _runtime = rt
     _export(rt)
@@ -352,6 +352,14 @@ def current() -> Runtime:
     if _runtime is None:
         raise TrainguardError("trainguard.init() has not been called in this process")
     return _runtime
+
+
+def joined() -> Runtime:
+    """The runtime, in the current generation. A script run again after a rewind may not call init again (it checks
+    `dist.is_initialized()` first, or a framework joined once for the process, as Accelerate's state does): it joins
+    the next generation here, at its first collective, group or training step."""
+    rt = current()
+    return init() if rt.rejoin else rt
 
 
 def get_rank() -> int:

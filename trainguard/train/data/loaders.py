@@ -50,18 +50,7 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
         self.tg_index = rewind_mod.next_loader_index()
 
     def __iter__(self):
-        guard = guard_mod.active()
-        if guard is None:  # not training under a guard: a plain loader
-            return super().__iter__()
-        session = guard.ensure_started()
-        seed_loader_samples(self, sharded_sampler(self), session.streams.seed)  # random draws in workers (loaderseed.py)
-        if session.train_loader != self.tg_index:
-            return _OtherBatches(self, guard)
-        refuse_unresumable(self, elastic=session.strategy.elastic)
-        session.state.loader = self
-        if isinstance(self.sampler, ShardedSampler):
-            session.sampler = self.sampler
-        return _TrainingBatches(self, guard)
+        return guarded_iter(self, lambda session: seed_loader_samples(self, sharded_sampler(self), session.streams.seed))
 
     def plain_iter(self):
         return super().__iter__()
@@ -73,6 +62,25 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
         if is_stream(self):
             key = key_seed(session.streams.seed or 0, session.rt.rank, f"stream/{self.tg_index}/{session.epoch}")
         return _quietly(self.plain_iter, key)
+
+
+def guarded_iter(loader, before=None):
+    """A pass of one of trainguard's loaders (`loader` has `tg_index`, `plain_iter()` and `quiet_iter(session)`): a
+    plain pass outside training, else the training loader's pass from the committed position, else another loader's
+    pass with a check per batch. `before(session)` runs once the job has started, before the pass is made."""
+    guard = guard_mod.active()
+    if guard is None:  # not training under a guard: a plain loader
+        return loader.plain_iter()
+    session = guard.ensure_started()
+    if before is not None:
+        before(session)  # e.g. random draws in workers (loaderseed.py)
+    if session.train_loader != loader.tg_index:
+        return _OtherBatches(loader, guard)
+    refuse_unresumable(loader, elastic=session.strategy.elastic)
+    session.state.loader = loader
+    if isinstance(getattr(loader, "sampler", None), ShardedSampler):
+        session.sampler = loader.sampler
+    return _TrainingBatches(loader, guard)
 
 
 class _OtherBatches:
@@ -116,17 +124,18 @@ class _TrainingBatches:
 
     def _from_position(self):
         session, loader = self.guard.session, self.loader
-        if not is_stream(loader):
+        if not replays(loader):
             loader.sampler.set_position(session.in_epoch * loader.batch_size)
             return loader.quiet_iter(session)
-        it = loader.quiet_iter(session)  # a stream has no position to set: read it again up to the committed batch
+        it = loader.quiet_iter(session)  # no position to set: read the pass again up to the committed batch
         t0 = time.monotonic()
         for _ in range(session.in_epoch):
             next(it)
         if session.in_epoch and session.rt.rank == 0:
-            print(f"trainguard: the training stream resumed at batch {session.in_epoch} of its pass: its first "
-                  f"{session.in_epoch} batches were read again and dropped in {time.monotonic() - t0:.2f} s (a stream "
-                  "has no position to set)", file=sys.stderr, flush=True)
+            what = "stream" if is_stream(loader) else "loader"
+            print(f"trainguard: the training {what} resumed at batch {session.in_epoch} of its pass: its first "
+                  f"{session.in_epoch} batches were read again and dropped in {time.monotonic() - t0:.2f} s (a {what} "
+                  "that has no position to set)", file=sys.stderr, flush=True)
         return it
 
     def __iter__(self):
@@ -156,14 +165,21 @@ def is_stream(loader) -> bool:
     return isinstance(loader.dataset, torch.utils.data.IterableDataset)
 
 
-def refuse_unresumable(loader: DataLoader, *, elastic: bool) -> None:
+def replays(loader) -> bool:
+    """The loader resumes by reading its pass again up to the committed batch: a stream, or a framework's own loader
+    (train/data/replayed.py), neither of which has a position to set."""
+    return is_stream(loader) or getattr(loader, "replays_pass", False)
+
+
+def refuse_unresumable(loader, *, elastic: bool) -> None:
     """ConfigError unless the loader that drives the steps can resume at the committed batch."""
-    if is_stream(loader):
+    if replays(loader):
         if elastic:
-            raise ConfigError("the loader that drives the training steps reads an IterableDataset (a stream), which "
-                              "each rank reads its own share of: the elastic recover strategy, which changes the "
-                              "ranks, cannot split it again. Use a map-style dataset with trainguard."
-                              "DistributedSampler, or another recover strategy")
+            what = "reads an IterableDataset (a stream)" if is_stream(loader) else "is a framework's own loader"
+            raise ConfigError(f"the loader that drives the training steps {what}, which each rank reads its own "
+                              "share of: the elastic recover strategy, which changes the ranks, cannot split it "
+                              "again. Use a map-style dataset with trainguard.DistributedSampler, or another recover "
+                              "strategy")
         return
     if not isinstance(loader.sampler, ShardedSampler):
         raise ConfigError("the loader that drives the training steps needs sampler=trainguard.DistributedSampler("

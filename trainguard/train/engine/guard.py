@@ -96,7 +96,7 @@ class Guard:
                                                    rewound=rewind_mod.rewound()))
         state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler, extra=self.stateful,
                            sharded=sharding.is_sharded(model))
-        rt = rt_mod.current()
+        rt = rt_mod.joined()
         callbacks = []
         if opt.checkpoints is not None:
             callbacks.append(ShardedSaver(opt.checkpoints, state, rt, sharding.job_mesh()))
@@ -278,6 +278,7 @@ def _forget() -> None:
     if _guard is not None:
         _guard.close()
     _guard = None
+    _pending_state.clear()  # registered before the optimizer of the run left behind was made: that run's objects
 
 
 def _at_end() -> bool:

@@ -1,0 +1,39 @@
+"""Run a training script unchanged and print the median interval between its optimizer steps (after a warm-up),
+for benchmarks of scripts that print no step time of their own (bench/accelerate_overhead.py).
+
+    torchrun --nproc-per-node 3 bench/steptimer.py SCRIPT ARGS
+    trainguard run --workers 3 bench/steptimer.py SCRIPT ARGS
+
+torch's global optimizer-step hook takes the time after every `step()` of any optimizer; at exit, rank 0 prints
+`median step time: X ms (N steps timed)`. Env: STEPTIMER_WARMUP (steps left out at the start, default 20).
+"""
+
+import atexit
+import os
+import runpy
+import statistics
+import sys
+import time
+
+import torch
+
+WARMUP = int(os.environ.get("STEPTIMER_WARMUP", "20"))
+stamps: list[float] = []
+
+
+def after_step(_optimizer, _args, _kwargs) -> None:
+    stamps.append(time.perf_counter())
+
+
+def report() -> None:
+    gaps = [b - a for a, b in zip(stamps[WARMUP:], stamps[WARMUP + 1:])]
+    if gaps and os.environ.get("RANK", "0") == "0":
+        print(f"median step time: {statistics.median(gaps) * 1e3:.3f} ms ({len(gaps)} steps timed)", flush=True)
+
+
+torch.optim.optimizer.register_optimizer_step_post_hook(after_step)
+atexit.register(report)
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+runpy.run_path(script, run_name="__main__")
