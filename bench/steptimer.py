@@ -5,7 +5,9 @@ for benchmarks of scripts that print no step time of their own (bench/accelerate
     trainguard run --workers 3 bench/steptimer.py SCRIPT ARGS
 
 torch's global optimizer-step hook takes the time after every `step()` of any optimizer; at exit, rank 0 prints
-`median step time: X ms (N steps timed)`. Env: STEPTIMER_WARMUP (steps left out at the start, default 20).
+`median step time: X ms (N steps timed)`. Env: STEPTIMER_WARMUP (steps left out at the start, default 20);
+STEPTIMER_DIR (bench/accelerate_mttr.py): each process writes DIR/pid_<rank> at its start and appends the wall-clock
+time of each of its steps to DIR/steps_<rank>.
 """
 
 import atexit
@@ -21,13 +23,23 @@ WARMUP = int(os.environ.get("STEPTIMER_WARMUP", "20"))
 stamps: list[float] = []
 
 
+RANK = os.environ.get("RANK", "0")
+LOG = os.environ.get("STEPTIMER_DIR")
+steps_log = open(os.path.join(LOG, f"steps_{RANK}"), "a", buffering=1) if LOG else None  # noqa: SIM115 (to the end)
+if LOG:
+    with open(os.path.join(LOG, f"pid_{RANK}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
 def after_step(_optimizer, _args, _kwargs) -> None:
     stamps.append(time.perf_counter())
+    if steps_log is not None:
+        steps_log.write(f"{time.time():.6f}\n")
 
 
 def report() -> None:
     gaps = [b - a for a, b in zip(stamps[WARMUP:], stamps[WARMUP + 1:])]
-    if gaps and os.environ.get("RANK", "0") == "0":
+    if gaps and RANK == "0":
         print(f"median step time: {statistics.median(gaps) * 1e3:.3f} ms ({len(gaps)} steps timed)", flush=True)
 
 

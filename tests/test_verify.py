@@ -22,16 +22,15 @@ def verify(*args: str, timeout: float = 360) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_example_trainer_is_identical_under_every_fault(tmp_path):
-    proc = verify("--steps", "14", "--keep", str(tmp_path), "--workers", "3", "examples/trainer.py", "--epochs", "2")
+def test_the_example_trainer_is_identical_under_three_faults(tmp_path):
+    """Three of the faults (tests/test_accelerate.py runs verify with every one of them)."""
+    proc = verify("--steps", "14", "--faults", "mid-step,epoch-end,sigterm", "--keep", str(tmp_path), "--workers", "3",
+                  "examples/trainer.py", "--epochs", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if "(rank 1)" in ln]
     assert [r.split("(rank 1)")[0].strip() for r in rows] == [
-        "kill -9 in a step", "kill -9 after a commit", "kill -9 outside a step", "kill -9 at an epoch's end",
-        "SIGTERM and a rerun"], proc.stdout
+        "kill -9 in a step", "kill -9 at an epoch's end", "SIGTERM and a rerun"], proc.stdout
     assert all("identical" in r and "differs" not in r for r in rows), proc.stdout
-    sched = [ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9 of the scheduler")]
-    assert len(sched) == 1 and "right after step 7" in sched[0] and "identical" in sched[0], proc.stdout
     assert "every run is identical to the one without a fault" in proc.stdout
     for run in ("clean", "mid-step", "sigterm"):  # its own snapshot.pt, in its own directory
         assert (tmp_path / run / "snapshot.pt").exists()

@@ -83,7 +83,16 @@ class Accelerator(accelerate.Accelerator):
         # a process-wide singleton, and their passes never ended)
         self.gradient_state.dataloader_references = [None]
         self.loader_starts = PassStarts(_capture, _apply)
+        self.checkpointed = 0  # objects given to register_for_checkpointing
         register_state("accelerate:loaders", self.loader_starts)
+
+    def register_for_checkpointing(self, *objects):
+        """Accelerate's `save_state` keeps these; trainguard keeps them with the job's state too (named by their order,
+        the same in every run of the script)."""
+        for obj in objects:
+            self.checkpointed += 1
+            register_state(f"accelerate:custom:{self.checkpointed}", obj)
+        return super().register_for_checkpointing(*objects)
 
     def prepare_model(self, model: torch.nn.Module, device_placement=None, evaluation_mode: bool = False):
         with _trainguard_ddp():

@@ -50,6 +50,7 @@ from typing import NoReturn
 from .. import rewinding, signals
 from ..errors import ClusterFailed, ConfigError, Rewind
 from ..exitcodes import EXIT_CONFIG_ERROR, EXIT_FAULT_STOP
+from .frameworks import explain, unsupported_framework
 
 PGINIT, PGINIT_AFTER = "trainguard.worker.pginit", "torch.distributed.distributed_c10d"
 DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (SyntaxError, ImportError, ConfigError)
@@ -172,7 +173,10 @@ def _fail(script: str, exc: BaseException) -> NoReturn:
     exc = exc.with_traceback(tb)
     sys.excepthook(type(exc), exc, tb)  # trainguard.init() chains its hook here
     line = describe_error(exc, script)
-    if not is_deterministic(exc):
+    framework = unsupported_framework(sys.modules)
+    if framework is not None:  # a framework trainguard does not run live: every restart would fail alike
+        line = f"{explain(framework)} (the error: {line})"
+    elif not is_deterministic(exc):
         if not rewinding.raised_everywhere(signature(exc)):
             raise SystemExit(1) from None
         line += " (every rank raised it at the same step)"

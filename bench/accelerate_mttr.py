@@ -1,0 +1,77 @@
+"""kill -9 to the next step for an Accelerate script: examples/accelerate/train.py under `trainguard run` (a hot
+spare, its defaults) against examples/accelerate/train_plain.py under `torchrun --max-restarts 3`, 3 workers on CPU.
+Each run trains until rank 0 has made --at steps, then rank 1 is killed with SIGKILL from outside; the figure is the
+time from the kill to rank 0's next optimizer step (bench/steptimer.py stamps every step with the wall clock), which
+is what trainguard's report calls MTTR. torchrun restarts every worker, and the plain script starts again from its
+first epoch (it resumes only when told `--resume_from_checkpoint`); trainguard's survivors go on from the last commit.
+The two alternate, --runs times each; medians.
+
+    python bench/accelerate_mttr.py [--runs 3]
+"""
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMER = REPO / "bench" / "steptimer.py"
+
+
+def stamps(folder: Path) -> list[float]:
+    path = folder / "steps_0"
+    return [float(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def one(cmd: list[str], at: int) -> float:
+    with tempfile.TemporaryDirectory() as d:
+        folder = Path(d)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TG_FAULT": "",
+               "STEPTIMER_DIR": str(folder)}
+        proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while len(stamps(folder)) < at:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"the run ended or stalled before step {at}: {' '.join(cmd)}\n{proc.stderr.read()[-2000:]}")
+            time.sleep(0.01)
+        os.kill(int((folder / "pid_1").read_text()), signal.SIGKILL)
+        killed = time.time()
+        err = proc.communicate(timeout=300)[1]
+        if proc.returncode != 0:
+            sys.exit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{err[-2000:]}")
+        after = [t for t in stamps(folder) if t > killed]
+        if not after:
+            sys.exit(f"no step after the kill: {' '.join(cmd)}")
+        return after[0] - killed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--at", type=int, default=30, help="rank 0's steps before the kill (default 30)")
+    args = parser.parse_args()
+    script_args = ["--epochs", "10", "--checkpointing_steps", "none"]
+    setups = {
+        "torchrun --max-restarts 3": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                                      "--max-restarts", "3", str(TIMER),
+                                      str(REPO / "examples" / "accelerate" / "train_plain.py"), "--cpu", *script_args],
+        "trainguard run": [sys.executable, "-m", "trainguard", "run", "--workers", "3", str(TIMER),
+                           str(REPO / "examples" / "accelerate" / "train.py"), *script_args],
+    }
+    took: dict[str, list[float]] = {name: [] for name in setups}
+    for i in range(args.runs):
+        for name in (list(setups) if i % 2 == 0 else list(reversed(setups))):
+            took[name].append(one(setups[name], args.at))
+            print(f"run {i + 1}: {name}: {took[name][-1]:.3f} s from the kill to the next step", flush=True)
+    print(f"\nkill -9 of rank 1 after rank 0's step {args.at}, 3 workers, {args.runs} runs each, alternating")
+    for name, values in took.items():
+        print(f"{name:28s} median {statistics.median(values):.3f} s  (runs: {', '.join(f'{v:.3f}' for v in values)})")
+
+
+if __name__ == "__main__":
+    main()

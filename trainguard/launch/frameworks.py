@@ -1,0 +1,32 @@
+"""Training frameworks whose own loop trainguard does not run live yet, told apart by the modules a script loaded.
+
+PyTorch Lightning's Trainer (and Fabric) set up their own processes, devices and process group from what they see:
+under `trainguard run` a plain Lightning script fails inside Lightning (`IndexError` in `DDPStrategy.root_device`,
+since it sees LOCAL_RANK=1 and one CPU device), the same way on every restart. A worker whose script fails with
+such a framework loaded ends the job at once with a message that names it and what to do instead
+(launch/worker_main.py), rather than restarting it into a crash loop. Decided by the modules loaded, never by
+the error's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+UNSUPPORTED = (  # (a module the framework loads when it is used, its name)
+    ("lightning.pytorch.trainer.trainer", "PyTorch Lightning's Trainer"),
+    ("pytorch_lightning.trainer.trainer", "PyTorch Lightning's Trainer"),
+    ("lightning.fabric.fabric", "Lightning Fabric"),
+    ("lightning_fabric.fabric", "Lightning Fabric"),
+)
+
+
+def unsupported_framework(modules: Container[str]) -> str | None:
+    """The framework in `modules` (sys.modules) that trainguard cannot run live, or None (pure)."""
+    return next((name for module, name in UNSUPPORTED if module in modules), None)
+
+
+def explain(framework: str) -> str:
+    return (f"this script trains with {framework}, which sets up its own processes, devices and process group: "
+            "trainguard does not run it live yet, and a restart would fail the same way. Run it with torchrun, or "
+            "train with trainguard's wrappers (docs/porting.md) or with Hugging Face Accelerate "
+            "(trainguard.compat.accelerate)")
