@@ -4,7 +4,7 @@ The two alternate, --runs times each; each run reports the median interval betwe
 warm-up (bench/steptimer.py, which times any script through torch's global optimizer-step hook), and the figure
 is the median over the runs. The script's own checkpoint each epoch is off (`--checkpointing_steps none`).
 
-    python bench/accelerate_overhead.py [--runs 5] [--epochs 20]
+    python bench/accelerate_overhead.py [--runs 5] [--epochs 20] [--channels 16]
 """
 
 import argparse
@@ -17,17 +17,17 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STEP_TIME = re.compile(r"median step time: ([0-9.]+) ms \((\d+) steps timed\)")
+STEP_TIME = re.compile(r"median step time: ([0-9.]+) ms \((\d+) steps timed\), CPU time per step: ([0-9.]+) ms")
 TIMER = REPO / "bench" / "steptimer.py"
 
 
-def run(cmd: list[str], cwd: str) -> float:
+def run(cmd: list[str], cwd: str) -> tuple[float, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TG_FAULT": ""}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     found = STEP_TIME.search(proc.stdout + proc.stderr)
     if proc.returncode != 0 or found is None:
         sys.exit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return float(found.group(1))
+    return float(found.group(1)), float(found.group(3))
 
 
 def main() -> None:
@@ -35,24 +35,32 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--channels", type=int, default=16, help="the model's width (the example's --channels)")
     args = parser.parse_args()
-    script_args = ["--epochs", str(args.epochs), "--checkpointing_steps", "none"]
+    script_args = ["--epochs", str(args.epochs), "--channels", str(args.channels), "--checkpointing_steps", "none"]
     plain = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.workers), str(TIMER),
              str(REPO / "examples" / "accelerate" / "train_plain.py"), "--cpu", *script_args]
     guarded = [sys.executable, "-m", "trainguard", "run", "--workers", str(args.workers), str(TIMER),
                str(REPO / "examples" / "accelerate" / "train.py"), *script_args]
     times: dict[str, list[float]] = {"torchrun + Accelerate": [], "trainguard + Accelerate": []}
+    spent: dict[str, list[float]] = {name: [] for name in times}
     with tempfile.TemporaryDirectory() as cwd:
         for i in range(args.runs):
             for name, cmd in zip(times, (plain, guarded)) if i % 2 == 0 else reversed(list(zip(times, (plain, guarded)))):
-                times[name].append(run(cmd, cwd))
-                print(f"run {i + 1}: {name}: {times[name][-1]:.3f} ms", flush=True)
+                wall, used = run(cmd, cwd)
+                times[name].append(wall)
+                spent[name].append(used)
+                print(f"run {i + 1}: {name}: {wall:.3f} ms a step, {used:.3f} ms of CPU (rank 0)", flush=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    print(f"\n{args.workers} workers, {args.epochs} epochs a run, {args.runs} runs each, alternating")
+    print(f"\n{args.workers} workers, --channels {args.channels}, {args.epochs} epochs a run, {args.runs} runs each, "
+          "alternating")
     for name, m in medians.items():
         print(f"{name:26s} median step time {m:.3f} ms  (runs: {', '.join(f'{t:.3f}' for t in times[name])})")
+    for name in times:
+        print(f"{name:26s} median CPU time per step (rank 0) {statistics.median(spent[name]):.3f} ms")
     ratio = medians["trainguard + Accelerate"] / medians["torchrun + Accelerate"]
-    print(f"ratio trainguard / torchrun: {ratio:.3f}")
+    cpu_ratio = statistics.median(spent["trainguard + Accelerate"]) / statistics.median(spent["torchrun + Accelerate"])
+    print(f"ratio trainguard / torchrun: {ratio:.3f} (step time), {cpu_ratio:.3f} (CPU time per step)")
 
 
 if __name__ == "__main__":

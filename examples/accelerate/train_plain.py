@@ -22,14 +22,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Net(nn.Module):
-    def __init__(self, num_classes=10):
+    def __init__(self, channels=16, num_classes=10):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(16)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.bn2 = nn.BatchNorm2d(32)
+        self.conv1 = nn.Conv2d(1, channels, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(2 * channels)
         self.dropout = nn.Dropout(0.25)
-        self.fc = nn.Linear(32 * 2 * 2, num_classes)
+        self.fc = nn.Linear(2 * channels * 2 * 2, num_classes)
 
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
@@ -52,7 +52,7 @@ def training_function(args):
     accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum)
     set_seed(args.seed)
     train_dataloader, eval_dataloader = get_dataloaders(args.batch_size)
-    model = Net()
+    model = Net(args.channels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.lr, epochs=args.epochs, steps_per_epoch=len(train_dataloader))
@@ -116,6 +116,7 @@ def main():
     parser = argparse.ArgumentParser(description="Digits with Accelerate")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even where a GPU is present")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--channels", type=int, default=16, help="the first convolution's channels")
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--grad_accum", type=int, default=2)
