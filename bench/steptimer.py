@@ -6,7 +6,8 @@ for benchmarks of scripts that print no step time of their own (bench/accelerate
 
 torch's global optimizer-step hook takes the time after every `step()` of any optimizer; at exit, rank 0 prints
 `median step time: X ms (N steps timed), CPU time per step: Y ms` (the median of the process's CPU time, all
-threads, between steps: the cost where the wall time also holds waits for the other ranks and the machine). Env: STEPTIMER_WARMUP (steps left out at the start, default 20);
+threads, between steps: the cost where the wall time also holds waits for the other ranks and the machine).
+Env: STEPTIMER_WARMUP (steps left out at the start, default 20);
 STEPTIMER_DIR (bench/accelerate_mttr.py): each process writes DIR/pid_<rank> at its start and appends the wall-clock
 time of each of its steps to DIR/steps_<rank>.
 """

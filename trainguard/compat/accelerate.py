@@ -107,8 +107,9 @@ class Accelerator(accelerate.Accelerator):
         prepared = super().prepare_scheduler(scheduler)
         # Accelerate pairs a scheduler with its prepared optimizer by the optimizer it wraps, which is now
         # trainguard's wrapper of the script's optimizer: pair them here
+        bound = getattr(scheduler, "optimizer", None)
         mine = [opt for opt in self._optimizers
-                if isinstance(opt.optimizer, Optimizer) and opt.optimizer.optimizer is getattr(scheduler, "optimizer", None)]
+                if isinstance(opt.optimizer, Optimizer) and opt.optimizer.optimizer is bound]
         if mine:
             prepared.optimizers = mine
         return prepared

@@ -8,8 +8,9 @@ seedable sampler). What makes a pass come out the same is that state as it was w
 - `PassStarts` holds, for each such loader, its state when its current pass began (`begin`), or its state now
   between passes; that is what a commit takes (one object given to `register_state`), and a restore puts it back
   before the loader's next pass begins. The training loader's pass counts as current until its next pass begins:
-  a job that comes back to an epoch's end (its eval, its save) reads that epoch's pass again, to its end. A loader made after the restore (the script asked for it later, e.g.
-  Accelerate's `skip_first_batches`) takes its state when it is made.
+  a job that comes back to an epoch's end (its eval, its save) reads that epoch's pass again, to its end. A loader
+  made after the restore (the script asked for it later, e.g. Accelerate's `skip_first_batches`) takes its state
+  when it is made.
 - `ReplayedLoader` wraps the framework's loader. It is numbered among trainguard's loaders, and the training loader
   among them resumes as a stream does (train/data/loaders.py): its pass is made again from the restored state and
   read up to the committed batch, which costs the reading of those batches (rank 0 prints how many and how long).
