@@ -17,3 +17,13 @@ if [ -n "$oldest" ] && [ ! -f ".venv/accelerate-oldest/accelerate-$oldest.dist-i
   .venv/bin/python -m pip install -q --no-deps --target .venv/accelerate-oldest "accelerate==$oldest" \
     || echo "accelerate==$oldest not installed; its test will be skipped"
 fi
+# the oldest transformers that trainguard[transformers] accepts, with the hub and tokenizers it asks for (the venv has
+# the newer ones the pinned transformers asks for): tests/test_transformers.py runs it too
+toldest=$(sed -n 's/^transformers = \["transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+if [ -n "$toldest" ] && [ ! -f ".venv/transformers-oldest/transformers-$toldest.dist-info/METADATA" ]; then
+  rm -rf .venv/transformers-oldest
+  .venv/bin/python -m pip install -q --no-deps --target .venv/transformers-oldest "transformers==$toldest" \
+    "tokenizers==0.22.2" "huggingface-hub==1.3.7" "httpx==0.28.1" "httpcore==1.0.9" "h11==0.16.0" "anyio==4.16.0" \
+    "certifi" "idna" "sniffio==1.3.1" \
+    || echo "transformers==$toldest not installed; its test will be skipped"
+fi

@@ -19,6 +19,7 @@ FAST_MODULES = {
     "test_slurm_env", "test_strategies", "test_stuck_collectives", "test_user_state",
 }
 FAST_TESTS = (  # module::test name (a prefix: every parametrisation)
+    "test_transformers::test_measured_values_are_kept_apart_and_put_back",
     "test_recovery::test_one_worker_killed_twice_loses_no_step",
     "test_recovery::test_scheduler_killed_and_restarted_no_rollback",
     "test_heartbeat_relay::test_a_stopped_worker_is_fenced_through_the_relay",
@@ -51,7 +52,7 @@ LONGEST_FIRST = (
     "test_recovery", "test_graceful", "test_launch_compat", "test_real_trainer", "test_sharded_engine",
     "test_commit_protocol", "test_elastic", "test_cluster_errors", "test_ddp_tutorial", "test_checkpoint_job",
     "test_sharded_recovery", "test_transformer_tp", "test_multihost", "test_spares", "test_reshard", "test_observe",
-    "test_zygote",
+    "test_zygote", "test_transformers", "test_accelerate",
 )
 
 

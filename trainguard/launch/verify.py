@@ -104,6 +104,8 @@ def first_difference(a, b, path: str = "") -> str | None:
     """The path of the first value that differs between two loaded states (tensors bit for bit), or None."""
     import torch
 
+    from ..train.state.train_state import WALLCLOCK
+
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype or a.shape != b.shape:
             return path or "."
@@ -111,6 +113,8 @@ def first_difference(a, b, path: str = "") -> str | None:
         return None if same else path
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b), key=str):
+            if k == WALLCLOCK:
+                continue  # what a clock measured (a framework's runtimes), kept with the state but never the same
             if k not in a or k not in b:
                 return f"{path}.{k}"
             found = first_difference(a[k], b[k], f"{path}.{k}" if path else str(k))

@@ -161,6 +161,16 @@ class _TrainingBatches:
         return batch
 
 
+def end_pass(loader) -> None:
+    """The script's loop took the training loader's whole pass without running its iterator to the end (a loop that
+    counts its batches, as the transformers Trainer's does): the pass is over, as if the iterator had ended. Call it
+    where the code after the epoch's batches begins (the hyperparameters then are those of the pass's end)."""
+    guard = guard_mod.active()
+    session = guard.session if guard is not None else None
+    if session is not None and session.train_loader == loader.tg_index and passes.pass_done(session.in_epoch, loader):
+        session.passes.end(session.state)
+
+
 def is_stream(loader) -> bool:
     return isinstance(loader.dataset, torch.utils.data.IterableDataset)
 

@@ -68,10 +68,20 @@ def _children(obj) -> list:
     return []
 
 
+def bound_to(candidate, optimizer: torch.optim.Optimizer) -> bool:
+    """`candidate` is `optimizer`, or wraps it (a scheduler a framework made on its own wrapper, as the transformers
+    Trainer does on Accelerate's `AcceleratedOptimizer` around trainguard's `Optimizer`)."""
+    for _ in range(4):
+        if candidate is optimizer:
+            return True
+        candidate = vars(candidate).get("optimizer") if hasattr(candidate, "__dict__") else None
+    return False
+
+
 def _kind(obj, optimizer: torch.optim.Optimizer) -> str | None:
     for kind, types in KINDS:
         if issubclass(type(obj), types):
-            if kind == "lr_scheduler" and getattr(obj, "optimizer", None) is not optimizer:
+            if kind == "lr_scheduler" and not bound_to(getattr(obj, "optimizer", None), optimizer):
                 return None  # another optimizer's (or a previous run of the script's)
             if kind == "grad_scaler" and not obj.is_enabled():
                 return None  # a disabled scaler keeps no state

@@ -21,6 +21,8 @@ from . import shardstate
 from .streams import SEED_RANGE
 
 
+WALLCLOCK = "wallclock"  # a key of a state_dict whose values a clock measured: kept and restored, never compared
+
 
 @dataclass(kw_only=True)
 class TrainState:

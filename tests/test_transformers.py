@@ -1,0 +1,88 @@
+"""The transformers Trainer: examples/transformers/train.py is examples/transformers/train_plain.py, a plain `Trainer`
+script (digits as a dataset of dicts, a model with BatchNorm and dropout that returns its loss, gradient accumulation,
+clipping, a linear schedule with warm-up stepped per step, an accuracy metric evaluated every epoch, the Trainer's own
+checkpoints), changed in its import. 3 ranks, real processes: `trainguard verify` kills rank 1 in a step, in the
+Trainer's log all-gather after a step, right after an epoch's last step (before its evaluation), kills the scheduler,
+and SIGTERMs then runs the same command again; every tensor of every rank's model, optimizer, scheduler and the
+Trainer's bookkeeping (its state with the log history, the loss sums of every rank) is equal to the run without a fault,
+and rank 0 prints the same validation lines (each run goes to step 20 of 30, where verify takes the state). The oldest
+transformers the extra accepts (`trainguard[transformers]`, installed by scripts/setup.sh beside the pinned one)
+passes a kill in a step."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import REPO, changed_lines, env
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(400)
+
+ORIGINAL, PORT = REPO / "examples" / "transformers" / "train_plain.py", REPO / "examples" / "transformers" / "train.py"
+OLDEST = REPO / ".venv" / "transformers-oldest"  # scripts/setup.sh: the oldest version pyproject's extra accepts
+WORKERS, EPOCHS, STEPS = 3, 2, 20
+STEPS_PER_EPOCH = 15  # 1437 training images, 16 a batch on each of 3 ranks: 30 batches, 2 a step
+VAL = re.compile(r"validation epoch .*")
+
+
+def verify(tmp_path: Path, faults: str, **extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "trainguard", "verify", "--steps", str(STEPS), "--keep", str(tmp_path), "--workers",
+           str(WORKERS), "--faults", faults, str(PORT), "--epochs", str(EPOCHS), "--output_dir", "out"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(TG_EXACT="", **extra), capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "every run is identical to the one without a fault" in proc.stdout, proc.stdout
+    return proc
+
+
+def validation(log: Path) -> list[str]:
+    """Rank 0's validation lines, once each (an evaluation redone after a fault prints its line again)."""
+    return list(dict.fromkeys(line.split("] ", 1)[1] for line in log.read_text().splitlines()
+                              if line.startswith("[worker 0] ") and VAL.search(line)))
+
+
+def test_measured_values_are_kept_apart_and_put_back():
+    from trainguard.compat.transformers import join_clock, split_clock
+
+    history = [{"loss": 1.5, "step": 5}, {"eval_loss": 1.2, "eval_runtime": 0.08, "eval_samples_per_second": 4402.4,
+                                         "eval_steps_per_second": 48.9, "step": 15}]
+    kept, clock = split_clock(history)
+    assert kept == [{"loss": 1.5, "step": 5}, {"eval_loss": 1.2, "step": 15}]
+    assert sorted(k for _, k, _ in clock) == ["eval_runtime", "eval_samples_per_second", "eval_steps_per_second"]
+    assert join_clock(kept, clock) == history
+
+
+def test_the_port_changes_at_most_three_lines():
+    changed, diff = changed_lines(ORIGINAL, PORT)
+    assert 0 < changed <= 3, diff
+    assert not re.search(r"^(import|from) trainguard", ORIGINAL.read_text(), re.M)  # the original is plain transformers
+
+
+def test_every_fault_is_bit_identical_on_every_rank_with_the_same_validation_lines(tmp_path):
+    proc = verify(tmp_path, "mid-step,outside,epoch-end,scheduler,sigterm")
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("kill -9", "SIGTERM"))]
+    names = [re.split(r"\s{2,}", r)[0] for r in rows]
+    assert names == ["kill -9 in a step (rank 1)", "kill -9 outside a step (rank 1)", "kill -9 at an epoch's end (rank 1)",
+                     "kill -9 of the scheduler", "SIGTERM and a rerun (rank 1)"], proc.stdout
+    assert all(" identical" in r for r in rows), proc.stdout
+    outside = next(r for r in rows if r.startswith("kill -9 outside"))
+    assert "all_gather" in outside, outside  # the Trainer's log of the loss, after the update
+    assert "the training loader resumed at batch" in (tmp_path / "mid-step" / "launcher.log").read_text()
+    reference = validation(tmp_path / "clean" / "launcher.log")
+    assert len(reference) == STEPS // STEPS_PER_EPOCH, reference  # the epochs that ended before the last step
+    for fault in ("mid-step", "outside", "epoch-end", "scheduler", "sigterm"):
+        assert validation(tmp_path / fault / "launcher.log") == reference, fault
+
+
+@pytest.mark.skipif(not OLDEST.is_dir(), reason="scripts/setup.sh installs the oldest accepted transformers there")
+def test_the_oldest_transformers_the_extra_accepts(tmp_path):
+    oldest = {"PYTHONPATH": os.pathsep.join(filter(None, [str(OLDEST), os.environ.get("PYTHONPATH", "")]))}
+    version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+                             env=env(**oldest), capture_output=True, text=True, timeout=60).stdout.strip()
+    floor = re.search(r'"transformers>=([0-9.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    assert version == floor, (version, floor)
+    verify(tmp_path, "mid-step", **oldest)
