@@ -11,6 +11,12 @@ are the originals), under `trainguard run` with 3 ranks:
   to the committed batch); under `elastic`, which changes the ranks that split it, refused at its first steps.
 - torchrun_env.py: reads torchrun's variables before any trainguard call; a replacement sees the values a
   torchrun restart gives.
+- cycle.py: a step loop fed by a generator that cycles over the epochs, under `trainguard verify`: started at the
+  epoch its own step count gives (a kill at an epoch's end resumes in the next pass, at the same batch), and with
+  epochs that end inside an accumulation cycle (a step takes the last batch of one pass and the first of the next:
+  the run without a fault trains to its end, and kills in and right after such a step are bit-identical).
+- torch's and trainguard's DDP write and read the same `state_dict()` (keys prefixed "module."), so a script's own
+  checkpoint loads either way.
 """
 
 from __future__ import annotations
@@ -120,3 +126,41 @@ def test_torchrun_environment_before_the_script_and_after_a_replacement(tmp_path
                    {k: v for k, v in first.items() if k not in ("pid", "TORCHELASTIC_RESTART_COUNT")}
     replacement = [json.loads(line)["pid"] for line in (tmp_path / "env_1.jsonl").read_text().splitlines()]
     assert len(set(replacement)) == 2  # rank 1 was replaced
+
+
+@pytest.mark.parametrize("shape, faults", [
+    ("--epoch-from-steps", "epoch-end,after-commit"),  # the pass the script's count starts, after an epoch's end
+    ("", "mid-step,after-commit"),  # step 5 takes the last batch of epoch 2 and the first of epoch 3
+])
+def test_a_loop_over_steps_fed_by_a_cycling_generator_is_bit_identical(tmp_path, shape, faults):
+    cmd = [sys.executable, "-m", "trainguard", "verify", "--steps", "10", "--keep", str(tmp_path), "--workers",
+           str(WORKERS), "--faults", faults, str(JOBS / "cycle.py"), "--max-steps", "12", *filter(None, [shape])]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(TG_EXACT=""), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9")]
+    assert len(rows) == 2 and all(" identical" in r for r in rows), proc.stdout
+    if shape:
+        assert "the first epoch's last" in rows[0], rows
+
+
+def test_torch_and_trainguard_ddp_checkpoints_load_either_way(tmp_path):
+    import torch.distributed as dist
+
+    import trainguard as tg
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        theirs = torch.nn.parallel.DistributedDataParallel(net())
+        ours = tg.DDP(net())
+        assert list(ours.state_dict()) == list(theirs.state_dict())  # module.0.weight, ...
+        with torch.no_grad():
+            theirs.module[0].weight.add_(1.0)
+        ours.load_state_dict(theirs.state_dict())  # torch's checkpoint into trainguard's wrapper
+        theirs.load_state_dict(ours.state_dict())  # and back
+        assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+    finally:
+        dist.destroy_process_group()

@@ -88,6 +88,7 @@ class _OtherBatches:
 
     def __init__(self, loader: DataLoader, guard: "guard_mod.Guard"):
         self.loader, self.guard = loader, guard
+        self.label = getattr(loader.sampler, "epoch", 0)
         self.it = loader.quiet_iter(guard.session) if is_stream(loader) else loader.plain_iter()
 
     def __iter__(self):
@@ -99,10 +100,11 @@ class _OtherBatches:
         trains = session.train_loader == self.loader.tg_index  # the first commit named this pass's loader
         if trains:
             refuse_unresumable(self.loader, elastic=session.strategy.elastic)  # now, not at the first fault
+            session.passes.name(self.label)  # so that a loop resumed in another epoch's pass is told
         try:
             batch = next(self.it)
         except StopIteration:
-            if trains and passes.pass_done(session.in_epoch, self.loader):
+            if trains and passes.pass_done(session.in_epoch + self.guard.fetched, self.loader):
                 session.passes.end(session.state)  # its next pass begins the next epoch
             raise
         self.guard.training_batch(self.loader.tg_index)
@@ -116,9 +118,11 @@ class _TrainingBatches:
         self.loader, self.guard = loader, guard
         session = guard.session
         self.restores = session.restores
-        if session.passes.ended and passes.pass_done(session.in_epoch, loader):
-            session.roll_epoch(session.epoch + 1)  # the next epoch's pass begins (set_epoch's number is only its label)
         label = getattr(loader.sampler, "epoch", 0)  # a stream has no set_epoch: one label
+        done = passes.pass_done(session.in_epoch + guard.fetched, loader)  # with the step's batches so far
+        if (session.passes.ended and done) or session.passes.next_pass(label, done):
+            session.roll_epoch(session.epoch + 1)  # the next epoch's pass begins (set_epoch's number is only its label)
+            guard.new_pass()
         session.passes.begin(label, step=session.step, epoch=session.epoch, in_epoch=session.in_epoch)
         self.it = self._from_position()
 
@@ -152,7 +156,7 @@ class _TrainingBatches:
         try:
             batch = next(self.it)
         except StopIteration:
-            if passes.pass_done(session.in_epoch, self.loader):
+            if passes.pass_done(session.in_epoch + guard.fetched, self.loader):
                 session.passes.end(session.state)
             raise
         guard.fetched += 1

@@ -56,6 +56,17 @@ class Passes:
             self.ended = True
             self.end_state = state.hyperparameters()
 
+    def name(self, label: int) -> None:
+        """The current epoch's pass, already under way, is shuffled with `label` (the first commit named its loader)."""
+        if self.label is None:
+            self.label = label
+
+    def next_pass(self, label: int, done: bool) -> bool:
+        """A pass shuffled with `label` begins at a restored position whose pass is `done`: True if it is the next
+        epoch's (the label after the restored one; a loop that counts its epochs from its steps resumes there, at
+        the same batch), which then begins as it would have without the fault."""
+        return done and self.label is not None and label == self.label + 1
+
     def begin(self, label: int, *, step: int, epoch: int, in_epoch: int) -> None:
         """The training loader starts a pass shuffled with `label`: the first pass of the epoch names it; one that
         differs from the restored position's label means the script's loop resumed at another epoch (ConfigError)."""
@@ -65,5 +76,5 @@ class Passes:
             raise ConfigError(
                 f"this process resumed at step {step}, in epoch {epoch} of the job (batch {in_epoch}), whose pass the "
                 f"loop shuffled with set_epoch({self.label}), but the loop now calls set_epoch({label}): start the "
-                "epoch loop where the job is, `for epoch in range(trainguard.start_epoch(), epochs)`, and number its "
-                "epochs as before")
+                "epoch loop where the job is, `for epoch in range(trainguard.start_epoch(), epochs)` (a generator that "
+                "cycles over the epochs: start it at trainguard.start_epoch()), and number its epochs as before")

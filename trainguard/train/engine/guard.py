@@ -10,10 +10,10 @@
             optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step(); sched.step()
         evaluate(model, eval_loader)                              # any loader, collectives, barriers
 
-- `start_epoch()` (or the first forward, batch or optimizer step) joins the job's state: fresh,
-  from a peer (a replacement), or from disk (a rerun after a graceful stop).
-- `optimizer.step()` applies the update only if the step's gradient exchange completed, and counts
-  the step. A forward's buffer changes (BatchNorm) are part of the step.
+- `start_epoch()` (or the first forward, batch or optimizer step) joins the job's state: fresh, from a peer (a
+  replacement), or from disk (a rerun after a graceful stop).
+- `optimizer.step()` applies the update only if the step's gradient exchange completed, and counts the step. A
+  forward's buffer changes (BatchNorm) are part of the step.
 - State: model, optimizer, the LR scheduler given here, and any object with `state_dict()` /
   `load_state_dict()` registered with `register_state` (a GradScaler, a second scheduler). They are
   held, never patched: their `state_dict()` still pickles. Schedulers on the optimizer, GradScalers
@@ -25,9 +25,8 @@
   `trainguard run`), a failed step recovers in place and a fault outside a step ends the process.
 - A stop vote (SIGTERM) ends the process at the commit point, exit 75, after a dying-gasp checkpoint
   into TG_CHECKPOINT_DIR, else `<recovery path>/checkpoints`.
-- `checkpoints=trainguard.ShardedCheckpoints(directory, prefix, every=N)`: sliced checkpoints every N steps
-  and at a stop, which the job restores from when no live copy is left, and which resume on another layout
-  (train/state/shardckpt.py).
+- `checkpoints=trainguard.ShardedCheckpoints(directory, prefix, every=N)`: sliced checkpoints every N steps and at a
+  stop, which the job restores from when no live copy is left, and which resume on another layout (shardckpt.py).
 """
 
 from __future__ import annotations
@@ -77,7 +76,8 @@ class Guard:
         self.in_step = False
         self.step_loader: int | None = None  # the loader whose batch began this step
         self.recent_loader: int | None = None  # the last loader a training batch came from since the last commit
-        self.fetched = 0  # training batches since the last commit (gradient accumulation takes several)
+        self.fetched = 0  # training batches of this pass since the last commit (gradient accumulation takes several)
+        self.rolled = False  # the training loader began its next pass since the last commit
         self._resync: dict | None = None  # hand launches: hyperparameters to put back after an in-place recovery
         self.finished = False  # the job agreed to finish
 
@@ -204,6 +204,9 @@ class Guard:
             return True
         return False
 
+    def new_pass(self) -> None:  # a step that took batches from two passes counts the second one's in the position
+        self.fetched, self.rolled = 0, True
+
     # --- the commit point ------------------------------------------------------------------------
 
     def step(self, closure=None):
@@ -211,7 +214,8 @@ class Guard:
         if not self.in_step:
             self.begin_step()
         self.in_step = False
-        batches, self.fetched = max(1, self.fetched), 0
+        batches = self.fetched if self.rolled else max(1, self.fetched)
+        self.fetched, self.rolled = 0, False
         try:
             result = self.optimizer.optimizer.step(closure) if closure is not None else self.optimizer.optimizer.step()
         except CollectiveFailed as exc:
@@ -268,7 +272,7 @@ def _model_of(optimizer: torch.optim.Optimizer) -> DataParallel | None:
     return None
 
 
-def active() -> Guard | None:
+def active() -> Guard | None:  # the process's guard, once the optimizer is wrapped
     return _guard
 
 
@@ -381,7 +385,7 @@ def start_epoch(default: int = 0) -> int:
         session.epoch = max(session.epoch, default)
         session.passes.commit(session.epoch, session.in_epoch)
         return session.epoch
-    if default:  # the script's own resume code ran, and what it loaded was just replaced
+    if default not in (0, session.epoch, session.epoch + 1):  # the script's own resume code loaded another point
         print(f"trainguard: rank {session.rt.rank}: trainguard's restore (step {session.step}: epoch {session.epoch}, "
               f"batch {session.in_epoch}, from {session.source}) overrides the script's own resume point (epoch "
               f"{default}). Remove the script's own snapshot loading, or keep it for runs without trainguard",

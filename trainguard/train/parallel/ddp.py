@@ -37,8 +37,8 @@ _IGNORED = frozenset({"device_ids", "output_device", "dim", "find_unused_paramet
 
 
 class DataParallel(nn.Module):
-    """A data-parallel wrapper whose gradient exchange can be re-attached to each new process group;
-    state_dict keys are the wrapped net's."""
+    """A data-parallel wrapper whose gradient exchange can be re-attached to each new process group; its
+    `state_dict()` is torch DistributedDataParallel's (keys prefixed "module.")."""
 
     instances: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()  # the guard finds the optimizer's model here
 
@@ -120,11 +120,11 @@ class DataParallel(nn.Module):
             self.after_forward(args, kwargs, out)
         return out
 
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+    @property
+    def unwrapped(self) -> nn.Module:
+        """The wrapped net, whose state the job keeps (its `state_dict()` keys are "module."-prefixed, as torch's
+        DistributedDataParallel's are, so that a script's own checkpoints load either way)."""
+        return self.module
 
 
 DDP = DataParallel

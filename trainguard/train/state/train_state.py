@@ -33,13 +33,17 @@ class TrainState:
     extra: dict[str, Any] = field(default_factory=dict)  # more objects with state_dict()/load_state_dict()
     sharded: bool = False  # the model holds DTensors: model and optimizer are this rank's part (train/parallel/sharding.py)
 
+    def net(self) -> nn.Module:
+        """The model whose state is kept: a data-parallel wrapper's net (the same keys with and without it)."""
+        return getattr(self.model, "unwrapped", self.model)
+
     def capture_shared(self, at: dict | None = None) -> dict:
         """The objects' states; the tensors are the live ones (a caller that keeps them copies them). `at`: the
         `hyperparameters()` of the position being captured, where the script has moved them on since."""
         if self.sharded:
             out: dict[str, Any] = {"part": shardstate.capture(self.model, self.optimizer, copy=False)}
         else:
-            out = {"model": self.model.state_dict()}
+            out = {"model": self.net().state_dict()}
             if self.optimizer is not None:
                 out["optimizer"] = self.optimizer.state_dict()
                 if at is not None:
@@ -77,7 +81,7 @@ class TrainState:
         if self.sharded:
             shardstate.load(self.model, self.optimizer, shared["part"])
         else:
-            self.model.load_state_dict(shared["model"])
+            self.net().load_state_dict(shared["model"])
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(shared["optimizer"])
         if self.scheduler is not None:

@@ -1,0 +1,74 @@
+"""A step-based trainer in the shape of timm's and diffusion repositories' loops: batches come from a generator
+that cycles over the epochs (`set_epoch` each pass), 2 micro-batches a step under `no_sync()`. An MLP with
+BatchNorm and dropout, AdamW with a warm-up LambdaLR per step, gradient clipping. Two ports:
+
+- `--epoch-from-steps` (4 batches a pass on each rank, 2 steps an epoch): ported with `start_step` alone, the
+  generator started at the epoch the script's own step count gives;
+- without it (3 batches a pass: one step in two takes the last batch of one pass and the first of the next): the
+  generator started at `start_epoch()`.
+
+Run it under `trainguard run` (or `trainguard verify`)."""
+
+import argparse
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch.utils.data import TensorDataset
+
+import trainguard as tg
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--max-steps", type=int, default=12)
+parser.add_argument("--accum", type=int, default=2)
+parser.add_argument("--epoch-from-steps", action="store_true")
+parser.add_argument("--out", default="out")
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+size = 384 if args.epoch_from_steps else 288  # on 3 ranks: 4 or 3 batches of 32 a rank
+x, y = load_digits(return_X_y=True)
+data = TensorDataset(torch.tensor(x[:size], dtype=torch.float32) / 16, torch.tensor(y[:size]))
+sampler = tg.DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
+loader = tg.DataLoader(data, batch_size=32, sampler=sampler, drop_last=True)
+
+
+def cycle(start_epoch):
+    epoch = start_epoch
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+torch.manual_seed(0)
+model = tg.DDP(nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 10)))
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+opt = tg.Optimizer(opt, lr_scheduler=sched)
+
+if args.epoch_from_steps:
+    start = tg.start_step(0)
+    batches = cycle(start // (len(loader) // args.accum))  # the script's own epoch count, from its steps
+else:
+    batches = cycle(tg.start_epoch())
+    start = tg.start_step(0)
+for step in range(start, args.max_steps):
+    opt.zero_grad(set_to_none=True)
+    for micro in range(args.accum):
+        xb, yb = next(batches)
+        with model.no_sync() if micro < args.accum - 1 else contextlib.nullcontext():
+            (F.cross_entropy(model(xb), yb) / args.accum).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+os.makedirs(args.out, exist_ok=True)
+torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+           os.path.join(args.out, f"final_rank{rank}.pt"))
+dist.destroy_process_group()
