@@ -1,5 +1,5 @@
 """Run a training script unchanged and print the median interval between its optimizer steps (after a warm-up),
-for benchmarks of scripts that print no step time of their own (bench/accelerate_overhead.py).
+for benchmarks of scripts that print no step time of their own (bench/framework_overhead.py).
 
     torchrun --nproc-per-node 3 bench/steptimer.py SCRIPT ARGS
     trainguard run --workers 3 bench/steptimer.py SCRIPT ARGS
@@ -8,7 +8,7 @@ torch's global optimizer-step hook takes the time after every `step()` of any op
 `median step time: X ms (N steps timed), CPU time per step: Y ms` (the median of the process's CPU time, all
 threads, between steps: the cost where the wall time also holds waits for the other ranks and the machine).
 Env: STEPTIMER_WARMUP (steps left out at the start, default 20);
-STEPTIMER_DIR (bench/accelerate_mttr.py): each process writes DIR/pid_<rank> at its start and appends the wall-clock
+STEPTIMER_DIR (bench/framework_mttr.py): each process writes DIR/pid_<rank> at its start and appends the wall-clock
 time of each of its steps to DIR/steps_<rank>.
 """
 

@@ -2,7 +2,9 @@
 runs again after a fault is compared with its first run. Two trainers carry state trainguard cannot see: a
 generator of their own (tests/test_verify.py: warned about, a `replay_mismatch` event, `trainguard report`, and
 the launcher's recovery line says "NOT bit-identical from step N", not "lost 0 steps"), and a plain counter on
-the model (here). Under --exact strict the job ends with
+the model (here). Code after `optimizer.step()` that a fault interrupts (an eval's all_reduce) is skipped by the run
+after when the loop resumes past it: said, and exit 80 under strict; the same eval at the top of the iteration runs
+again, with no alarm (tests/jobs/cycle.py). Under --exact strict the job ends with
 EXIT_NOT_EXACT and the committed state's dying gasp, which the same command resumes from. Every other test
 job runs with TG_EXACT=strict (harness.FAST): an exact trainer never raises a false alarm."""
 
@@ -58,3 +60,23 @@ def test_a_fingerprint_compares_bits():
     changed = big.clone()
     changed[::9765] += 1  # touches the sampled elements
     assert not same(marks({"x": big}), marks({"x": changed}))
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_an_eval_interrupted_after_the_update_is_said_to_be_skipped_unless_the_loop_runs_it_again(tmp_path, where):
+    """A kill of rank 1 in the eval's all_reduce after step 4 (the first collective outside a step)."""
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "3", "--recovery-path",
+                           str(tmp_path / "recovery"), "--exact", "strict", str(JOBS / "cycle.py"), "--max-steps", "9",
+                           "--eval", where, "--out", str(tmp_path / "out")],
+                          cwd=tmp_path, env=env(TG_FAULT_COLLECTIVE="1:all_reduce:1"), capture_output=True, text=True,
+                          timeout=200)
+    (tmp_path / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    assert [e["event"] for e in events(tmp_path) if e["event"] == "fault_injected"], proc.stderr[-3000:]
+    found = [e for e in events(tmp_path) if e["event"] == "replay_mismatch"]
+    if where == "before":  # nanoGPT's place: the eval of step 4 runs again, and prints its line
+        assert proc.returncode == 0 and not found, proc.stderr[-3000:]
+        assert proc.stdout.count("eval after step 4:") >= 1 and "eval after step 8:" in proc.stdout
+        return
+    assert proc.returncode == EXIT_NOT_EXACT, proc.stderr[-3000:]
+    assert found and {(e["what"], e["step"], e["forward"], e["again"]) for e in found} == {("tail", 4, 1, 0)}, found
+    assert "the loop resumed past that code, so for step 4 it did not run again" in proc.stdout + proc.stderr

@@ -76,7 +76,19 @@ def test_the_faults_follow_what_the_clean_run_saw():
     cases = plan({"outside": ["barrier", 2, 12], "epoch_end": 12}, 20, 1, ["mid-step", "outside", "epoch-end"])
     assert [c.env for c in cases] == [{"TG_FAULT": "1:10:kill-forward"}, {"TG_FAULT_COLLECTIVE": "1:barrier:2"},
                                       {"TG_FAULT": "1:12:kill"}]
+    assert [c.before for c in cases] == [9, 12, 12]  # the last step committed before each fault
     assert plan({"outside": None, "epoch_end": 30}, 20, 1, ["outside", "epoch-end"]) == []  # neither happened
     assert plan({}, 20, 0, ["sigterm"]) == [Case("sigterm", "after step 10, then the same command again",
-                                                  {"TG_FAULT": "0:10:term"}, rerun=True)]
-    assert plan({}, 20, 1, ["scheduler"]) == [Case("scheduler", "right after step 10", {"TG_FAULT": "1:10:sched"})]
+                                                  {"TG_FAULT": "0:10:term"}, rerun=True, before=10)]
+    assert plan({}, 20, 1, ["scheduler"]) == [Case("scheduler", "right after step 10", {"TG_FAULT": "1:10:sched"},
+                                                   before=10)]
+
+
+def test_a_script_that_is_not_reproducible_is_told_apart_from_a_fault(tmp_path):
+    """Seeded from the OS, no two runs make the same steps: the row says the runs differ before the fault."""
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "verify", "--steps", "6", "--faults", "after-commit",
+                           "--keep", str(tmp_path), "--workers", "3", "tests/jobs/own_generator.py", str(tmp_path / "o")],
+                          cwd=REPO, env=env(TG_EXACT="", OWN_SEED="urandom"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9 after a commit"))
+    assert "differs from step 1: " in row and "before the fault: the script does not make the same steps twice" in row, row

@@ -79,7 +79,8 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--channels", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--save_steps", type=int, default=0, help="the Trainer's checkpoints every N steps (0: each epoch)")
+    parser.add_argument("--save_strategy", default="epoch", choices=["epoch", "steps", "no"])
+    parser.add_argument("--save_steps", type=int, default=500)
     parser.add_argument("--resume_from_checkpoint", default=None)
     parser.add_argument("--save_final", default=None, help="save the final state of every rank here (for comparisons)")
     args = parser.parse_args()
@@ -101,8 +102,8 @@ def main():
         lr_scheduler_type="linear",
         max_grad_norm=1.0,
         eval_strategy="epoch",
-        save_strategy="steps" if args.save_steps else "epoch",
-        save_steps=args.save_steps or 500,
+        save_strategy=args.save_strategy,
+        save_steps=args.save_steps,
         save_total_limit=2,
         logging_steps=5,
         seed=args.seed,

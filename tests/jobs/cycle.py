@@ -7,7 +7,9 @@ BatchNorm and dropout, AdamW with a warm-up LambdaLR per step, gradient clipping
 - without it (3 batches a pass: one step in two takes the last batch of one pass and the first of the next): the
   generator started at `start_epoch()`.
 
-Run it under `trainguard run` (or `trainguard verify`)."""
+`--eval after|before`: every 4 steps an eval whose loss is all_reduced and printed by rank 0, in the loop body after
+`opt.step()` (where a fault in it is skipped by the run after: the replay audit says so), or at the top of the next
+iteration, nanoGPT's place (where it runs again). Run it under `trainguard run` (or `trainguard verify`)."""
 
 import argparse
 import contextlib
@@ -26,6 +28,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--max-steps", type=int, default=12)
 parser.add_argument("--accum", type=int, default=2)
 parser.add_argument("--epoch-from-steps", action="store_true")
+parser.add_argument("--eval", choices=["none", "after", "before"], default="none",
+                    help="every 4 steps, an all_reduced eval after `opt.step()` or at the top of the next iteration")
 parser.add_argument("--out", default="out")
 args = parser.parse_args()
 
@@ -58,7 +62,21 @@ if args.epoch_from_steps:
 else:
     batches = cycle(tg.start_epoch())
     start = tg.start_step(0)
+
+
+def evaluate(step):
+    model.eval()
+    with torch.no_grad():
+        loss = F.cross_entropy(model(data.tensors[0][:64]), data.tensors[1][:64]).reshape(1)
+    dist.all_reduce(loss)
+    model.train()
+    if rank == 0:
+        print(f"eval after step {step}: {loss.item() / world:.8f}", flush=True)
+
+
 for step in range(start, args.max_steps):
+    if args.eval == "before" and step and step % 4 == 0:
+        evaluate(step)
     opt.zero_grad(set_to_none=True)
     for micro in range(args.accum):
         xb, yb = next(batches)
@@ -67,6 +85,8 @@ for step in range(start, args.max_steps):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     sched.step()
+    if args.eval == "after" and (step + 1) % 4 == 0:
+        evaluate(step + 1)
 
 os.makedirs(args.out, exist_ok=True)
 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},

@@ -26,6 +26,8 @@ from ..errors import CheckpointCorrupt, CheckpointError
 CODEC_VERSION = 1
 _SUPPORTED = "dict (str/int keys), list, tuple, torch.Tensor, numpy.ndarray, int, float, bool, None, str, bytes"
 
+WALLCLOCK = "wallclock"  # a key of a state whose values a clock measured: kept and restored, never compared (verify)
+
 
 TensorHook = Callable[[str, torch.Tensor], torch.Tensor]
 

@@ -32,7 +32,8 @@ import torch
 
 from ..errors import ConfigError
 from ..train.data.replayed import PassStarts, ReplayedLoader
-from ..train.engine.guard import Optimizer, register_state, start_epoch, start_step
+from ..train.engine.guard import Optimizer, register_state
+from ..train.engine.resume import start_epoch, start_step
 from ..train.parallel.ddp import DataParallel
 
 __all__ = ["Accelerator", "start_epoch", "start_step"]

@@ -21,8 +21,8 @@ again from the top after a fault, like any script, and this subclass makes that 
 
 Supported: data parallelism on CPU or GPU, gradient accumulation, any scheduler the Trainer makes, evaluation and
 saving by steps or epochs, stateful callbacks. Not covered: DeepSpeed, FSDP, `elastic`, and a Trainer resumed from
-its own checkpoint in the middle of an epoch (`resume_from_checkpoint` on the first run) that then meets a fault in
-that same epoch (a ConfigError says so).
+its own checkpoint in the middle of an epoch (`resume_from_checkpoint` on the job's first run) that then meets a
+fault in that same epoch: a ConfigError says so (the loader its resume made cannot be made again).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from ..errors import ConfigError
 from ..train.data import loaders
 from ..train.data.replayed import ReplayedLoader
 from ..train.engine import guard as guard_mod
-from ..train.state.train_state import WALLCLOCK
+from ..checkpoint.codec import WALLCLOCK
 from . import accelerate as tg_accelerate
 
 __all__ = ["Trainer"]
@@ -201,7 +201,7 @@ class Trainer(transformers.Trainer):
 
     @property
     def initial_global_step(self) -> int | None:
-        return getattr(self, "_initial_global_step", None)  # the first step of this train() call (5.24 and newer)
+        return getattr(self, "_initial_global_step", None)  # the first step of this train() call (newer transformers)
 
     def lr_now(self) -> float:
         return self._get_learning_rate()
@@ -306,11 +306,15 @@ class Trainer(transformers.Trainer):
         if not isinstance(loader, ReplayedLoader):
             raise ConfigError(f"the Trainer's training loader is a {type(loader).__name__}, not the loader trainguard "
                               "prepared: a Trainer subclass that builds its own cannot resume where the job is")
+        if guard_mod.current().ensure_started().train_loader != loader.tg_index:
+            raise ConfigError("the job's training loader was the one the Trainer's own resume made in the middle of an "
+                              "epoch (resume_from_checkpoint on the job's first run), which trainguard cannot make "
+                              "again: resume the Trainer from a checkpoint saved at an epoch's end")
         return loader  # it resumes at the committed batch by itself
 
     def _skip_fresh(self, loader, num_batches: int = 0):
         """The Trainer's own resume on a fresh job (`resume_from_checkpoint` in the middle of an epoch)."""
-        print(f"trainguard: the Trainer resumes from its own checkpoint {num_batches} batches into an epoch; a fault "
-              "before that epoch ends cannot resume under trainguard (start from an epoch's end instead)",
+        print(f"trainguard: the Trainer resumes from its own checkpoint {num_batches} batches into an epoch: a fault "
+              "before that epoch ends cannot be recovered (resume from a checkpoint saved at an epoch's end)",
               file=sys.stderr, flush=True)
         return self.accelerator.skip_first_batches(loader, num_batches)

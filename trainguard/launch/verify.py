@@ -41,6 +41,7 @@ class Case:
     moment: str
     env: dict
     rerun: bool = False  # sigterm: the same command again, in the same directory
+    before: int = 0  # the last step committed before the fault (a difference there is no fault's)
 
 
 def add_arguments(parser) -> None:
@@ -83,20 +84,22 @@ def plan(facts: dict, steps: int, rank: int, wanted: list[str]) -> list[Case]:
     for name in wanted:
         if name == "mid-step":
             cases.append(Case(name, f"at step {k}, after its first training forward",
-                              {"TG_FAULT": f"{rank}:{k}:kill-forward"}))
+                              {"TG_FAULT": f"{rank}:{k}:kill-forward"}, before=k - 1))
         elif name == "after-commit":
-            cases.append(Case(name, f"right after step {k}", {"TG_FAULT": f"{rank}:{k}:kill"}))
+            cases.append(Case(name, f"right after step {k}", {"TG_FAULT": f"{rank}:{k}:kill"}, before=k))
         elif name == "outside" and facts.get("outside"):
             op, n, after = facts["outside"]
-            cases.append(Case(name, f"{op} #{n}, after step {after}", {"TG_FAULT_COLLECTIVE": f"{rank}:{op}:{n}"}))
+            cases.append(Case(name, f"{op} #{n}, after step {after}", {"TG_FAULT_COLLECTIVE": f"{rank}:{op}:{n}"},
+                              before=after))
         elif name == "epoch-end" and facts.get("epoch_end") and facts["epoch_end"] < steps:
             e = facts["epoch_end"]
-            cases.append(Case(name, f"right after step {e}, the first epoch's last", {"TG_FAULT": f"{rank}:{e}:kill"}))
+            cases.append(Case(name, f"right after step {e}, the first epoch's last", {"TG_FAULT": f"{rank}:{e}:kill"},
+                              before=e))
         elif name == "scheduler":
-            cases.append(Case(name, f"right after step {k}", {"TG_FAULT": f"{rank}:{k}:sched"}))
+            cases.append(Case(name, f"right after step {k}", {"TG_FAULT": f"{rank}:{k}:sched"}, before=k))
         elif name == "sigterm":
             cases.append(Case(name, f"after step {k}, then the same command again", {"TG_FAULT": f"{rank}:{k}:term"},
-                              rerun=True))
+                              rerun=True, before=k))
     return cases
 
 
@@ -104,7 +107,7 @@ def first_difference(a, b, path: str = "") -> str | None:
     """The path of the first value that differs between two loaded states (tensors bit for bit), or None."""
     import torch
 
-    from ..train.state.train_state import WALLCLOCK
+    from ..checkpoint.codec import WALLCLOCK
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype or a.shape != b.shape:
@@ -130,14 +133,14 @@ def first_difference(a, b, path: str = "") -> str | None:
     return None if a == b else (path or ".")
 
 
-def compare(clean: Path, other: Path) -> str:
-    """"identical", or where the run in `other` first differs from the clean run."""
+def compare(clean: Path, other: Path) -> tuple[str, int | None]:
+    """"identical", or where the run in `other` first differs from the clean run; and that step."""
     import torch
 
     ranks = sorted(p.name for p in clean.glob("rank_*.pt"))
     missing = [r for r in ranks if not (other / r).exists()]
     if not ranks or missing:
-        return f"no state at the last step from {', '.join(missing) or 'any rank'}"
+        return f"no state at the last step from {', '.join(missing) or 'any rank'}", None
     worst: tuple[int, str] | None = None
     for name in ranks:
         a, b = (torch.load(d / name, weights_only=True) for d in (clean, other))
@@ -150,8 +153,8 @@ def compare(clean: Path, other: Path) -> str:
         found = (step if step is not None else a["step"], f"rank {rank}: {where}")
         worst = found if worst is None or found < worst else worst
     if worst is None:
-        return "identical"
-    return f"differs from step {worst[0]}: {worst[1]}"
+        return "identical", None
+    return f"differs from step {worst[0]}: {worst[1]}", worst[0]
 
 
 def diagnosis(recovery: Path) -> str:
@@ -216,7 +219,10 @@ def main(args: argparse.Namespace) -> int:
         if case.rerun and code == EXIT_PREEMPTED:
             code, again, last = run(case.name, {})
             took += again
-        result = compare(clean, root / case.name / "state") if code == 0 else f"exit {code}: {last[:160]}"
+        result, step = compare(clean, root / case.name / "state") if code == 0 else (f"exit {code}: {last[:160]}", None)
+        if step is not None and step <= case.before:
+            result += (", before the fault: the script does not make the same steps twice (an unseeded generator, the "
+                       "clock, a file it reads): seed it, then verify again")
         failed |= result != "identical"
         what = {"mid-step": "kill -9 in a step", "after-commit": "kill -9 after a commit",
                 "outside": "kill -9 outside a step", "epoch-end": "kill -9 at an epoch's end",

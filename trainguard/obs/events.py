@@ -216,9 +216,18 @@ def summarize_recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "to_step": to_step,
             "lost_steps": from_step - to_step if from_step is not None and to_step is not None else None,
             "sources": sorted({str(e["source"]) for e in later if e["event"] == RESTORED and "source" in e}),
-            "diverged": {k: diverged.get(k) for k in ("rank", "step", "forward", "what")} if diverged else None,
+            "diverged": {k: diverged.get(k) for k in ("rank", "step", "forward", "what", "again")} if diverged else None,
         })
     return out
+
+
+def divergence(e: dict[str, Any]) -> str:
+    """What a replay_mismatch event saw, in words (pure)."""
+    if e.get("what") == "tail":
+        return (f"the code after step {e.get('step')}'s update, {e.get('forward')} collective(s) before the fault, did "
+                f"not run again ({e.get('again')} after the restore)")
+    verb = "differ" if e.get("what") == "inputs" else "differs"
+    return f"the {e.get('what')} of its training forward {e.get('forward')} {verb} from its first run"
 
 
 def format_recovery(index: int, rec: dict[str, Any]) -> str:
@@ -233,8 +242,7 @@ def format_recovery(index: int, rec: dict[str, Any]) -> str:
     outcome = f"lost {lost} steps"
     d = rec.get("diverged")
     if d:  # the replay audit saw it: no "lost 0 steps" over a result that is no longer the same
-        outcome = (f"NOT bit-identical from step {d['step']} (rank {d['rank']}: the {d['what']} of its training "
-                   f"forward {d['forward']} {'differ' if d['what'] == 'inputs' else 'differs'} from its first run)")
+        outcome = f"NOT bit-identical from step {d['step']} (rank {d['rank']}: {divergence(d)})"
     return (f"trainguard: recovery {index}: {who} -> generation {rec['generation']}, resumed at step "
             f"{rec['to_step']}, {outcome}, MTTR {mttr} ({since} to the first step finished after)")
 

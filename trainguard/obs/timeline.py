@@ -27,6 +27,7 @@ from .events import (
     FAILURE_DETECTED,
     GENERATION_FORMED,
     RESTORED,
+    divergence,
     STEP_FINISHED,
     summarize_recovery,
 )
@@ -169,6 +170,8 @@ def verdict_line(e: dict) -> str:
     """One line of `trainguard report` for a replay mismatch (train/engine/audit.py), a desync or a hang
     (control/waits.py)."""
     if e["event"] == "replay_mismatch":
+        if e.get("what") == "tail":
+            return f"NOT bit-identical from step {e.get('step')}: rank {e.get('rank')}: {divergence(e)} (replay audit)"
         return (f"NOT bit-identical from step {e.get('step')}: the {e.get('what')} of rank {e.get('rank')}'s training "
                 f"forward {e.get('forward')} {'differ' if e.get('what') == 'inputs' else 'differs'} from its first run "
                 "(replay audit)")

@@ -124,6 +124,10 @@ class Ledger:
         self.seq[name] = n
         return Point(name, n, op, signature(op, args, kwargs))
 
+    def entered(self) -> int:
+        """Collectives entered in this generation, every group's (point-to-point calls not counted)."""
+        return sum(self.seq.values())
+
     def at_end(self) -> Point:
         """The script ran to its end (it waits for the others to finish): a point after its last collective."""
         return Point("", self.seq.get("", 0) + 1, END_OF_SCRIPT, "")

@@ -112,10 +112,18 @@ class Finding:
     """A replayed forward that differs from its first run."""
 
     step: int
-    forward: int
-    what: str  # "inputs" or "output"
+    forward: int  # the forward's number in the step; for "tail", the collectives entered before the fault
+    what: str  # "inputs", "output", or "tail" (tail.py: code after the step's update skipped by the run after)
+    again: int = 0  # for "tail": the collectives entered after the restore, before the next step began
 
     def describe(self, rank: int) -> str:
+        if self.what == "tail":
+            return (f"not bit-identical: rank {rank} entered {self.forward} collective(s) after step {self.step}'s "
+                    f"update before the fault (code after `optimizer.step()`: a logged all_reduce, an eval, a save), "
+                    f"but after the restore it began the next step having entered {self.again}: the loop resumed past "
+                    f"that code, so for step {self.step} it did not run again (an eval line, a checkpoint, a metric "
+                    "went missing). Fix: put it before the step's first batch, at the top of the loop body (as "
+                    "nanoGPT's eval), or after the epoch's batches")
         causes = INPUT_CAUSES if self.what == "inputs" else OUTPUT_CAUSES
         verb = "differ" if self.what == "inputs" else "differs"
         return (f"not bit-identical: the {self.what} of rank {rank}'s training forward {self.forward} at step "
@@ -163,7 +171,7 @@ def report(session, found: Finding) -> None:
     rt = session.rt
     text = found.describe(rt.rank)
     rt.events.emit("replay_mismatch", rank=rt.rank, step=found.step, forward=found.forward, what=found.what,
-                   generation=rt.generation)
+                   again=found.again, generation=rt.generation)
     print(f"trainguard: {text}", file=sys.stderr, flush=True)
     if rt.cfg.exact == "strict":
         rt.report_failure(text, kind=p.FailureKind.NOT_EXACT)

@@ -50,7 +50,7 @@ from ..state import discover
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
 from ..state.shardckpt import ShardedCheckpoints, ShardedSaver
 from ..state.train_state import TrainState
-from . import audit
+from . import audit, tail
 from . import rewind as rewind_mod
 from .audit import Audit
 from .session import Session, SessionConfig
@@ -122,6 +122,7 @@ class Guard:
         self._armed = session.stop.armed()
         self._armed.__enter__()  # SIGTERM/SIGINT/SIGUSR1: a graceful stop at the next commit point
         session.start()
+        tail.restored()
         if rt.rank == 0 and session.step and session.in_epoch and session.train_loader is None:
             loaders = plainloaders.torch_loaders()  # a restore mid-epoch that torch's loaders cannot follow?
             if loaders:
@@ -132,6 +133,7 @@ class Guard:
 
     def close(self) -> None:
         """This run of the script is over (a rewind): disarm the signals, forget the exit barrier."""
+        tail.left(self.session.step if self.session is not None else 0)
         if self._armed is not None:
             self._armed.__exit__(None, None, None)
             self._armed = None
@@ -189,6 +191,8 @@ class Guard:
             session.streams.step_begins(session.step)
         session.begin_step(batch)
         self.in_step = True
+        if (found := tail.step_begins(session.step)) is not None:  # code after the update, skipped by this run? (tail.py)
+            audit.report(session, found)
         self.step_loader = loader if loader is not None else self.recent_loader
 
     def training_batch(self, loader: int) -> bool:
@@ -226,6 +230,7 @@ class Guard:
             session.train_loader = self.step_loader  # checkpoints name the loader that drives the steps from now on
         session.end_step(None, batches)
         self.recent_loader = None
+        tail.committed()
         return result
 
     def _at_exit(self) -> None:
@@ -376,26 +381,3 @@ def register_state(name: str, obj) -> None:
         raise ConfigError(f"register_state: the name {name!r} is taken")
     target[name] = obj
 
-
-def start_epoch(default: int = 0) -> int:
-    """The epoch this process's loop starts at: where the job is (a replacement, a rerun), else `default`.
-    A `default` from the script's own resume code that disagrees is overridden, with a warning."""
-    session = current().ensure_started()
-    if not session.step:  # a fresh job: the script's own resume point (its weights were broadcast from rank 0)
-        session.epoch = max(session.epoch, default)
-        session.passes.commit(session.epoch, session.in_epoch)
-        return session.epoch
-    if default not in (0, session.epoch, session.epoch + 1):  # the script's own resume code loaded another point
-        print(f"trainguard: rank {session.rt.rank}: trainguard's restore (step {session.step}: epoch {session.epoch}, "
-              f"batch {session.in_epoch}, from {session.source}) overrides the script's own resume point (epoch "
-              f"{default}). Remove the script's own snapshot loading, or keep it for runs without trainguard",
-              file=sys.stderr, flush=True)
-    return session.epoch
-
-
-def start_step(default: int = 0) -> int:
-    """The step this process's loop starts at, for a loop over steps rather than epochs
-    (`for step in range(trainguard.start_step(), steps)`): the committed steps where the job is (a
-    replacement, a rerun, the script run again after a fault), else `default`."""
-    session = current().ensure_started()
-    return session.step if session.step else default

@@ -111,7 +111,7 @@ class ShardedSaver:
             raise CheckpointError(f"no complete checkpoint of step {step} in {self.root} (prefix {self.prefix!r})")
         own = position(read_manifest(folder), step)  # before anything is loaded
         self._say_if_resharded(folder, own["progress"])
-        model, optimizer = self.state.model, self.state.optimizer
+        model, optimizer = self.state.net(), self.state.optimizer
         if self.state.sharded:  # the slices this rank holds now, read into its DTensors
             init_optimizer_state(optimizer)  # the optimizer's tensors must exist to be loaded into
             loaded = load_sharded(folder, self._contents(), strict=True)
@@ -151,7 +151,7 @@ class ShardedSaver:
     def _contents(self) -> dict:
         """What a checkpoint holds: DTensors as the slices each rank holds, whole tensors otherwise."""
         state = self.state
-        out = {"model": state.model.state_dict(), "optim": state.optimizer.state_dict()}
+        out = {"model": state.net().state_dict(), "optim": state.optimizer.state_dict()}
         if state.scheduler is not None:
             out["scheduler"] = state.scheduler.state_dict()
         if state.extra:

@@ -21,9 +21,6 @@ from . import shardstate
 from .streams import SEED_RANGE
 
 
-WALLCLOCK = "wallclock"  # a key of a state_dict whose values a clock measured: kept and restored, never compared
-
-
 @dataclass(kw_only=True)
 class TrainState:
     model: nn.Module

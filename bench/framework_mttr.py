@@ -1,12 +1,13 @@
-"""kill -9 to the next step for an Accelerate script: examples/accelerate/train.py under `trainguard run` (a hot
-spare, its defaults) against examples/accelerate/train_plain.py under `torchrun --standalone --max-restarts 3`, 3 workers on CPU.
+"""kill -9 to the next step for a framework's script (Accelerate, the transformers Trainer: bench/frameworks.py):
+examples/<framework>/train.py under `trainguard run` (a hot spare, its defaults) against
+examples/<framework>/train_plain.py under `torchrun --standalone --max-restarts 3`, 3 workers on CPU.
 Each run trains until rank 0 has made --at steps, then rank 1 is killed with SIGKILL from outside; the figure is the
 time from the kill to rank 0's next optimizer step (bench/steptimer.py stamps every step with the wall clock), which
 is what trainguard's report calls MTTR. torchrun restarts every worker, and the plain script starts again from its
 first epoch (it resumes only when told `--resume_from_checkpoint`); trainguard's survivors go on from the last commit.
 The two alternate, --runs times each; medians.
 
-    python bench/accelerate_mttr.py [--runs 3]
+    python bench/framework_mttr.py [--framework accelerate|transformers] [--runs 3]
 """
 
 import argparse
@@ -19,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from frameworks import NAMES, REPO, scripts
+
 TIMER = REPO / "bench" / "steptimer.py"
 HANG_S = 120  # a run still going this long after the kill is stopped and counted as one that did not step again
 
@@ -29,10 +31,11 @@ def stamps(folder: Path) -> list[float]:
     return [float(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def one(cmd: list[str], at: int) -> float | str:
-    """Seconds from the kill to rank 0's next step, or why there was none."""
+def one(make, at: int) -> float | str:
+    """Seconds from the kill to rank 0's next step, or why there was none (`make(folder)`: the command)."""
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
+        cmd = make(folder)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TG_FAULT": "",
                "STEPTIMER_DIR": str(folder)}
         proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -60,17 +63,20 @@ def one(cmd: list[str], at: int) -> float | str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--framework", choices=NAMES, default="accelerate")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--at", type=int, default=30, help="rank 0's steps before the kill (default 30)")
     args = parser.parse_args()
-    script_args = ["--epochs", "10", "--checkpointing_steps", "none"]
-    setups = {
-        "torchrun --max-restarts 3": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                                      "--max-restarts", "3", str(TIMER),
-                                      str(REPO / "examples" / "accelerate" / "train_plain.py"), "--cpu", *script_args],
-        "trainguard run": [sys.executable, "-m", "trainguard", "run", "--workers", "3", str(TIMER),
-                           str(REPO / "examples" / "accelerate" / "train.py"), *script_args],
-    }
+
+    def plain(folder: Path) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                "--max-restarts", "3", str(TIMER), *scripts(args.framework, 10, 16, str(folder / "out"))[0]]
+
+    def guarded(folder: Path) -> list[str]:
+        return [sys.executable, "-m", "trainguard", "run", "--workers", "3", str(TIMER),
+                *scripts(args.framework, 10, 16, str(folder / "out"))[1]]
+
+    setups = {"torchrun --max-restarts 3": plain, "trainguard run": guarded}
     took: dict[str, list[float | str]] = {name: [] for name in setups}
     for i in range(args.runs):
         for name in (list(setups) if i % 2 == 0 else list(reversed(setups))):
@@ -78,7 +84,8 @@ def main() -> None:
             value = took[name][-1]
             print(f"run {i + 1}: {name}: " + (f"{value:.3f} s from the kill to the next step"
                                               if isinstance(value, float) else value), flush=True)
-    print(f"\nkill -9 of rank 1 after rank 0's step {args.at}, 3 workers, {args.runs} runs each, alternating")
+    print(f"\n{args.framework}: kill -9 of rank 1 after rank 0's step {args.at}, 3 workers, {args.runs} runs each, "
+          "alternating")
     for name, values in took.items():
         times = [v for v in values if isinstance(v, float)]
         median = f"median {statistics.median(times):.3f} s" if times else "no run stepped again"

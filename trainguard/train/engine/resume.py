@@ -1,0 +1,36 @@
+"""Where the script's loop starts: the job's position, handed to a loop over epochs or over steps.
+
+    for epoch in range(trainguard.start_epoch(), epochs): ...        # a loop over epochs
+    for step in range(trainguard.start_step(), steps): ...           # a loop over steps
+
+Either call joins the job's state first (guard.py: fresh, from a peer, or from disk)."""
+
+from __future__ import annotations
+
+import sys
+
+from .guard import current
+
+
+def start_epoch(default: int = 0) -> int:
+    """The epoch this process's loop starts at: where the job is (a replacement, a rerun), else `default`.
+    A `default` from the script's own resume code is not used (rank 0 says so)."""
+    session = current().ensure_started()
+    if not session.step:  # a fresh job: the script's own resume point (its weights were broadcast from rank 0)
+        session.epoch = max(session.epoch, default)
+        session.passes.commit(session.epoch, session.in_epoch)
+        return session.epoch
+    if default and session.rt.rank == 0:  # the script's own resume point, computed or loaded, is not where it starts
+        print(f"trainguard: the loop starts where the job is (step {session.step}: epoch {session.epoch}, batch "
+              f"{session.in_epoch}, from {session.source}), not at the script's own resume point (epoch {default}); "
+              "a snapshot the script loaded was replaced by trainguard's state (keep that loading for runs without "
+              "trainguard)", file=sys.stderr, flush=True)
+    return session.epoch
+
+
+def start_step(default: int = 0) -> int:
+    """The step this process's loop starts at, for a loop over steps rather than epochs
+    (`for step in range(trainguard.start_step(), steps)`): the committed steps where the job is (a
+    replacement, a rerun, the script run again after a fault), else `default`."""
+    session = current().ensure_started()
+    return session.step if session.step else default
