@@ -115,20 +115,22 @@ class Bookkeeping:
     def __init__(self, trainer: "Trainer") -> None:
         self.trainer = trainer
         self.pending: tuple[dict, int] | None = None  # taken before the update, with the commits then
-        self.committed: dict | None = None
+        self.committed: dict | None = None  # `take()`'s, of the last committed update
+        self.serial: dict | None = None  # `committed` as `state_dict()` gives it, made once
         self.restored: dict | None = None  # loaded by a restore, applied when the Trainer's loop starts
 
     def take(self) -> dict:
-        """Inside the step, right before the update: the same on every rank (the loss sums are gathered)."""
+        """Inside the step, right before the update: the same on every rank (the loss sums are gathered). Cheap: the
+        state's log history is copied as a list (its entries are never changed), and made JSON only by
+        `state_dict()`, which a fault or a checkpoint asks for."""
         t = self.trainer
-        history, clock = split_clock(t.state.log_history)
-        state = dataclasses.replace(t.state, stateful_callbacks=dict(t.state.stateful_callbacks), log_history=history)
+        state = dataclasses.replace(t.state, stateful_callbacks=dict(t.state.stateful_callbacks),
+                                    log_history=list(t.state.log_history))
         for cb in t.callback_handler.callbacks:  # as the Trainer's own save does
             if isinstance(cb, ExportableState):
                 state.stateful_callbacks[type(cb).__name__] = cb.state()
         grad_norm = t.last_grad_norm
-        return {"state": json.dumps(dataclasses.asdict(state), sort_keys=True),
-                WALLCLOCK: json.dumps(clock),
+        return {"trainer_state": state,
                 "control": t.control.state(),
                 "scheduler": copy.deepcopy(t.lr_scheduler.state_dict()) if t.lr_scheduler is not None else None,
                 # the loss summed since the last log is each rank's own, and the log is their mean: the state holds
@@ -147,14 +149,29 @@ class Bookkeeping:
     def after_update(self, skipped: bool) -> None:
         if self.pending is not None and _committed_steps() > self.pending[1]:
             self.committed = {**self.pending[0], "update_skipped": bool(skipped)}
+            self.serial = None
         self.pending = None
 
     def state_dict(self) -> dict:
-        return self.committed or {}
+        if self.committed is None:
+            return {}
+        if self.serial is None:  # the TrainerState as JSON, what the clock measured apart
+            taken = dict(self.committed)
+            state = taken.pop("trainer_state")
+            history, clock = split_clock(state.log_history)
+            state = dataclasses.replace(state, log_history=history)
+            self.serial = {**taken, "state": json.dumps(dataclasses.asdict(state), sort_keys=True),
+                           WALLCLOCK: json.dumps(clock)}
+        return self.serial
 
     def load_state_dict(self, state: dict) -> None:
-        self.committed = dict(state) or None
-        self.restored = self.committed
+        self.restored = dict(state) or None
+        self.committed, self.serial = None, None
+        if self.restored is not None:
+            restored = dict(self.restored)
+            trainer_state = TrainerState(**json.loads(restored.pop("state")))
+            trainer_state.log_history = join_clock(trainer_state.log_history, json.loads(restored.pop(WALLCLOCK)))
+            self.committed = {**restored, "trainer_state": trainer_state}
 
 
 class _Commits(TrainerCallback):
@@ -234,9 +251,7 @@ class Trainer(transformers.Trainer):
         if self.book.restored is None:
             raise ConfigError("the job's committed state has no Trainer bookkeeping: it was saved by another script "
                               "(resume it with the script that saved it)")
-        saved = self.book.restored
-        self.state = TrainerState(**json.loads(saved["state"]))
-        self.state.log_history = join_clock(self.state.log_history, json.loads(saved[WALLCLOCK]))
+        self.state = copy.deepcopy(self.book.committed["trainer_state"])
         self._load_exportable(self.state.stateful_callbacks)
         self.state.init_training_references(self, max_steps, num_train_epochs, trial)
         self.resume_at = (session.epoch, session.in_epoch)
@@ -281,7 +296,7 @@ class Trainer(transformers.Trainer):
 
     def _finish_committed_step(self, model, epoch, in_epoch, steps_in_epoch, trial, ignore_keys, start_time) -> None:
         """The committed step's bookkeeping, as the loop does it after the update, from the state the update left."""
-        saved, self.book.restored = self.book.restored, None
+        saved, self.book.restored = self.book.committed, None
         self.control = type(self.control)(**saved["control"]["args"])
         for attribute, value in saved["control"]["attributes"].items():
             setattr(self.control, attribute, value)

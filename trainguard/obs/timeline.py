@@ -27,8 +27,8 @@ from .events import (
     FAILURE_DETECTED,
     GENERATION_FORMED,
     RESTORED,
-    divergence,
     STEP_FINISHED,
+    divergence,
     summarize_recovery,
 )
 
