@@ -31,6 +31,13 @@ def stamps(folder: Path) -> list[float]:
     return [float(x) for x in path.read_text().split()] if path.exists() else []
 
 
+def _end(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the launcher and everything it started
+    except ProcessLookupError:
+        pass
+
+
 def one(make, at: int) -> float | str:
     """Seconds from the kill to rank 0's next step, or why there was none (`make(folder)`: the command)."""
     with tempfile.TemporaryDirectory() as d:
@@ -50,10 +57,11 @@ def one(make, at: int) -> float | str:
         try:
             err = proc.communicate(timeout=HANG_S)[1]
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _end(proc)
             proc.communicate()
             after = [t for t in stamps(folder) if t > killed]
             return after[0] - killed if after else f"no step within {HANG_S} s of the kill (still running: killed)"
+        _end(proc)  # a launcher that exited can leave workers behind (torchrun's restarted ones did): end them
         after = [t for t in stamps(folder) if t > killed]
         if not after:
             last = [ln for ln in err.splitlines() if "Error" in ln or "error" in ln][-1:]
