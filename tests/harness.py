@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -126,6 +127,23 @@ def changed_lines(original: Path, port: Path) -> tuple[int, str]:
     ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
     return (sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal"),
             "\n".join(difflib.unified_diff(a, b, lineterm="")))
+
+
+def verify_identical(tmp_path: Path, script: Path, faults: str, args: list[str], *, steps: int, workers: int,
+                     **extra: str) -> subprocess.CompletedProcess:
+    """`trainguard verify` of `script` with `faults`, its runs kept in `tmp_path`: every row must be identical."""
+    cmd = [sys.executable, "-m", "trainguard", "verify", "--steps", str(steps), "--keep", str(tmp_path), "--workers",
+           str(workers), "--faults", faults, str(script), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(TG_EXACT="", **extra), capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "every run is identical to the one without a fault" in proc.stdout, proc.stdout
+    return proc
+
+
+def rank0_lines(log: Path, pattern: "re.Pattern[str]") -> list[str]:
+    """Rank 0's lines matching `pattern`, once each (a pass redone after a fault prints its line again)."""
+    return list(dict.fromkeys(line.split("] ", 1)[1] for line in log.read_text().splitlines()
+                              if line.startswith("[worker 0] ") and pattern.search(line)))
 
 
 def events(out: Path) -> list[dict]:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import REPO, changed_lines, env
+from harness import REPO, changed_lines, env, rank0_lines, verify_identical
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(400)
@@ -31,18 +31,11 @@ VAL = re.compile(r"validation epoch .*")
 
 
 def verify(tmp_path: Path, faults: str, **extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "trainguard", "verify", "--steps", str(STEPS), "--keep", str(tmp_path), "--workers",
-           str(WORKERS), "--faults", faults, str(PORT), "--epochs", str(EPOCHS), "--output_dir", "out"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(TG_EXACT="", **extra), capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    assert "every run is identical to the one without a fault" in proc.stdout, proc.stdout
-    return proc
+    return verify_identical(tmp_path, PORT, faults, ["--epochs", str(EPOCHS), "--output_dir", "out"], steps=STEPS, workers=WORKERS, **extra)
 
 
 def validation(log: Path) -> list[str]:
-    """Rank 0's validation lines, once each (an evaluation redone after a fault prints its line again)."""
-    return list(dict.fromkeys(line.split("] ", 1)[1] for line in log.read_text().splitlines()
-                              if line.startswith("[worker 0] ") and VAL.search(line)))
+    return rank0_lines(log, VAL)
 
 
 def test_measured_values_are_kept_apart_and_put_back():
