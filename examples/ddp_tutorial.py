@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from sklearn.datasets import load_digits
+from digits_data import load_digits
 from torch import nn
 from torch.utils.data import TensorDataset
 

@@ -10,7 +10,7 @@ optimizer state as safetensors, so a run with faults can be compared with one wi
 import argparse
 
 import torch
-from sklearn.datasets import load_digits
+from digits_data import load_digits
 from torch import nn
 from torch.utils.data import TensorDataset
 

@@ -25,7 +25,7 @@ def test_the_framework_is_told_by_the_modules_loaded():
 
 def test_a_plain_lightning_script_ends_at_once_naming_lightning(tmp_path):
     pytest.importorskip("lightning")
-    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "0",
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "0",
                            "--recovery-path", str(tmp_path / "recovery"), str(REPO / "tests" / "jobs" / "lightning_plain.py")],
                           cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 78, proc.stderr[-3000:]

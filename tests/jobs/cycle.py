@@ -14,15 +14,18 @@ iteration, nanoGPT's place (where it runs again). Run it under `trainguard run` 
 import argparse
 import contextlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch.utils.data import TensorDataset
 
 import trainguard as tg
+
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+from digits_data import load_digits  # noqa: E402  (scikit-learn's digits, without its 2 s import)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--max-steps", type=int, default=12)

@@ -21,12 +21,14 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import TensorDataset
 
 import trainguard as tg
+
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+from digits_data import load_digits  # noqa: E402  (scikit-learn's digits, without its 2 s import)
 
 layout, out = sys.argv[1], sys.argv[2]
 bn = "--bn" in sys.argv
