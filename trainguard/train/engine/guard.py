@@ -122,6 +122,8 @@ class Guard:
         self._armed = session.stop.armed()
         self._armed.__enter__()  # SIGTERM/SIGINT/SIGUSR1: a graceful stop at the next commit point
         session.start()
+        if session.step:  # the job's optimizer has stepped: its schedulers are not warned that they step first
+            discover.resumed_schedulers([opt.lr_scheduler, *self.stateful.values()])
         tail.restored()
         if rt.rank == 0 and session.step and session.in_epoch and session.train_loader is None:
             loaders = plainloaders.torch_loaders()  # a restore mid-epoch that torch's loaders cannot follow?

@@ -112,3 +112,16 @@ def unregistered(optimizer: torch.optim.Optimizer, given: Iterable[object], *, r
     for name in names:
         log.info("restoring %s with the rest of the state (the script did not give it to trainguard)", name)
     return dict(zip(names, (obj for _, obj in found)))
+
+
+def resumed_schedulers(objects: Iterable[object]) -> None:
+    """The job's optimizer has stepped before this run of the script: each LR scheduler among `objects` (and inside
+    them) is told so, as the schedulers of the run before the fault were. torch warns "Detected call of
+    `lr_scheduler.step()` before `optimizer.step()`" at a scheduler's first `step()` if its optimizer has not stepped
+    since the scheduler was made, which is the case of a job that resumes at an epoch's end, where a per-epoch
+    scheduler steps before the next epoch's first update. The mark (torch's own `_opt_called`, set by the wrapper a
+    scheduler puts on `optimizer.step`) is in no state_dict."""
+    for obj in objects:
+        for scheduler in (obj, *_children(obj)):
+            if issubclass(type(scheduler), LRScheduler) and getattr(scheduler, "optimizer", None) is not None:
+                scheduler.optimizer._opt_called = True
