@@ -34,6 +34,11 @@ from .worker_main import end_process, run_and_exit, script_path
 WORKER_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
                   "trainguard.worker.runtime", "trainguard.train.engine.model", "trainguard.train.engine.session",
                   "trainguard.train.state.checkpointing")
+# torch.compile's machinery, which a process imports at its first compiled call: about 4.7 s of a replacement's first
+# step here (bench/recovery.py's torch.compile cell), 1.8 s to import ahead. Preloaded only for a script that calls
+# torch.compile; none of these starts a thread or touches a GPU.
+COMPILE_MODULES = ("torch._inductor.compile_fx", "torch._functorch.aot_autograd", "torch._dynamo.backends.inductor",
+                   "torch.utils.cpp_extension", "torch.export._trace", "torch._inductor.codegen.memory_planning")
 EXIT_BAD_ORDER = 2
 
 
@@ -46,6 +51,21 @@ def top_level_imports(source: str) -> list[tuple[str, tuple[str, ...]]]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.append((node.module, tuple(a.name for a in node.names if a.name != "*")))
     return found
+
+
+def calls_compile(source: str) -> bool:
+    """Whether the script calls `torch.compile` (as `torch.compile(...)`, or `compile` imported from torch)."""
+    tree = ast.parse(source)
+    from_torch = any(isinstance(node, ast.ImportFrom) and node.module == "torch" and node.level == 0
+                     and any(a.name == "compile" and a.asname in (None, "compile") for a in node.names)
+                     for node in ast.walk(tree))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if (isinstance(func, ast.Attribute) and func.attr == "compile" and isinstance(func.value, ast.Name)
+                    and func.value.id == "torch") or (from_torch and isinstance(func, ast.Name) and func.id == "compile"):
+                return True
+    return False
 
 
 def _is_local(module: str, script_dir: str) -> bool:
@@ -81,13 +101,15 @@ def preload(script: str, script_dir: str, *, lean: bool = False) -> tuple[list[s
     failures: list[str] = []
     try:
         with open(script, encoding="utf-8") as f:
-            imports = top_level_imports(f.read())
+            source = f.read()
+        imports, compiled = top_level_imports(source), calls_compile(source)
     except (OSError, SyntaxError, ValueError) as exc:  # the script reports this itself when it runs
         failures.append(f"{script}: {exc!r}")
-        imports = []
-    wanted = ([(m, ()) for m in WORKER_MODULES] if not lean or needs_worker_modules(imports) else []) + imports
+        imports, compiled = [], False
+    worker = not lean or needs_worker_modules(imports)
+    wanted = ([(m, ()) for m in WORKER_MODULES + (COMPILE_MODULES if compiled else ())] if worker else []) + imports
     for module, names in wanted:
-        if module not in WORKER_MODULES and _is_local(module, script_dir):
+        if module not in WORKER_MODULES + COMPILE_MODULES and _is_local(module, script_dir):
             continue
         try:
             mod = importlib.import_module(module)
