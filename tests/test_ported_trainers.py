@@ -15,6 +15,8 @@ are the originals), under `trainguard run` with 3 ranks:
   epoch its own step count gives (a kill at an epoch's end resumes in the next pass, at the same batch), and with
   epochs that end inside an accumulation cycle (a step takes the last batch of one pass and the first of the next:
   the run without a fault trains to its end, and a kill in such a step is bit-identical).
+- closure.py: `optimizer.step(closure)`, as torch's optimizer docs show it, killed in a step under `trainguard verify`;
+  LBFGS, which evaluates its closure several times a step, ends the job at once with exit 78 naming the fix.
 - torch's and trainguard's DDP write and read the same `state_dict()` (keys prefixed "module."), so a script's own
   checkpoint loads either way.
 """
@@ -144,6 +146,25 @@ def test_a_loop_over_steps_fed_by_a_cycling_generator_is_bit_identical(tmp_path,
     assert len(rows) == 1 and " identical" in rows[0], proc.stdout
     if shape:
         assert "the first epoch's last" in rows[0], rows
+
+
+def test_a_trainer_that_steps_with_a_closure_is_bit_identical(tmp_path):
+    """`optimizer.step(closure)`, as torch's optimizer docs show it: the closure's backward is the step's gradient
+    exchange, so it runs before the update is committed or skipped (before, the optimizer's step hooks decided first
+    and a kill in the exchange ended in other weights, silently)."""
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "verify", "--steps", "40", "--keep", str(tmp_path),
+                           "--workers", str(WORKERS), "--faults", "mid-step", str(JOBS / "closure.py"), "3"],
+                          cwd=tmp_path, env=env(TG_EXACT=""), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9")]
+    assert len(rows) == 1 and " identical" in rows[0], proc.stdout
+
+
+def test_lbfgs_under_the_commit_point_is_refused_at_once_naming_the_fix(tmp_path):
+    proc = run("closure.py", tmp_path, ["1"], CLOSURE_OPTIMIZER="lbfgs")
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "torch.optim.LBFGS evaluates its closure several times" in proc.stderr, proc.stderr[-3000:]
+    assert "restarting worker" not in proc.stderr
 
 
 def test_torch_and_trainguard_ddp_checkpoints_load_either_way(tmp_path):

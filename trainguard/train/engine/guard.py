@@ -217,13 +217,18 @@ class Guard:
 
     def step(self, closure=None):
         session = self.ensure_started()
+        loss = None
+        if closure is not None:  # its backward is the step's gradient exchange: done before the update is decided
+            loss = self._evaluate(closure)
         if not self.in_step:
             self.begin_step()
         self.in_step = False
         batches = self.fetched if self.rolled else max(1, self.fetched)
         self.fetched, self.rolled = 0, False
         try:
-            result = self.optimizer.optimizer.step(closure) if closure is not None else self.optimizer.optimizer.step()
+            result = self.optimizer.optimizer.step()
+            if closure is not None:
+                result = loss  # what torch's step(closure) returns
         except CollectiveFailed as exc:
             session.end_step(exc)  # rewinds, or (started by hand) recovers in place
             self._resync = session.state.hyperparameters()  # the script's scheduler.step() after this must not count
@@ -234,6 +239,16 @@ class Guard:
         self.recent_loader = None
         tail.committed()
         return result
+
+    def _evaluate(self, closure):
+        """The closure once, under grad mode, as torch's first-order optimizers run it, but before the step hooks that
+        commit or skip the update on its backward's exchange (the optimizer would call it after them)."""
+        if isinstance(self.optimizer.optimizer, torch.optim.LBFGS):
+            raise ConfigError("torch.optim.LBFGS evaluates its closure several times in one step, each a gradient "
+                              "exchange, and trainguard commits or skips one exchange per step: use a first-order "
+                              "optimizer, or LBFGS without trainguard.Optimizer")
+        with torch.enable_grad():
+            return closure()
 
     def _at_exit(self) -> None:
         """The last barrier, unless the script is failing: a peer that fails at the very end still gets
