@@ -34,6 +34,7 @@ from .worker_main import end_process, run_and_exit, script_path
 WORKER_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo",
                   "trainguard.worker.runtime", "trainguard.train.engine.model", "trainguard.train.engine.session",
                   "trainguard.train.state.checkpointing")
+EXIT_BAD_ORDER = 2
 # torch.compile's machinery, which a process imports at its first compiled call: about 4.7 s of a replacement's first
 # step here (bench/recovery.py's torch.compile cell), 1.8 s to import ahead. Preloaded only for a script that calls
 # torch.compile; none of these starts a thread or touches a GPU.
@@ -49,7 +50,6 @@ def warm_compiler() -> None:
 
     codecache.torch_key()
     cpu_vec_isa.pick_vec_isa()
-EXIT_BAD_ORDER = 2
 
 
 def top_level_imports(source: str) -> list[tuple[str, tuple[str, ...]]]:
