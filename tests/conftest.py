@@ -52,8 +52,8 @@ LONGEST_FIRST = (  # measured 2026-11-28 (the sum of each file's test durations,
     "test_sharded_engine", "test_ported_trainers", "test_graceful", "test_transformers", "test_accelerate",
     "test_recovery", "test_real_trainer", "test_launch_compat", "test_verify", "test_desync", "test_nanogpt",
     "test_checkpoint_job", "test_loader_workers", "test_elastic", "test_ddp_tutorial", "test_transformer_tp",
-    "test_cluster_errors", "test_spares", "test_examples", "test_compiled", "test_multihost", "test_zygote", "test_audit",
-    "test_commit_protocol", "test_observe", "test_seed_flow", "test_foreign_trainer", "test_recover_strategy",
+    "test_cluster_errors", "test_spares", "test_examples", "test_compiled", "test_multihost", "test_zygote",
+    "test_audit", "test_commit_protocol", "test_observe", "test_seed_flow", "test_foreign_trainer", "test_recover_strategy",
     "test_frameworks", "test_launcher", "test_sharded_recovery", "test_reshard", "test_stuck_collectives",
 )
 

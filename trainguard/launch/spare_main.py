@@ -72,8 +72,9 @@ def calls_compile(source: str) -> bool:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
-            if (isinstance(func, ast.Attribute) and func.attr == "compile" and isinstance(func.value, ast.Name)
-                    and func.value.id == "torch") or (from_torch and isinstance(func, ast.Name) and func.id == "compile"):
+            dotted = isinstance(func, ast.Attribute) and func.attr == "compile" and isinstance(func.value, ast.Name) \
+                and func.value.id == "torch"
+            if dotted or (from_torch and isinstance(func, ast.Name) and func.id == "compile"):
                 return True
     return False
 
