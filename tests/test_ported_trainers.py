@@ -9,6 +9,8 @@ are the originals), under `trainguard run` with 3 ranks:
 - stream.py: an IterableDataset stream with two loader workers under the training loader, its own checkpoint
   every 25 steps: kill -9 mid-stream and right after rank 0's save are bit-identical (the stream is read again up
   to the committed batch); under `elastic`, which changes the ranks that split it, refused at its first steps.
+- stream_stateful.py: a stream whose dataset keeps its own position (torchdata's StatefulDataLoader protocol),
+  with two loader workers and with none, under `trainguard verify`: resumed from the anchored worker states.
 - torchrun_env.py: reads torchrun's variables before any trainguard call; a replacement sees the values a
   torchrun restart gives.
 - cycle.py: a step loop fed by a generator that cycles over the epochs, under `trainguard verify`: started at the
@@ -104,6 +106,25 @@ def test_a_stream_with_two_loader_workers_resumes_bit_identically(tmp_path, stre
     assert re.search(r"the training stream resumed at batch \d+ of its pass: its first \d+ batches were read again",
                      proc.stderr), proc.stderr[-2000:]
     assert_identical(got, stream_baseline, "every rank's final state")
+
+
+@pytest.mark.parametrize("workers, faults", [("2", "mid-step,sigterm"), ("0", "mid-step")])
+def test_a_stream_that_keeps_its_own_position_resumes_from_it_bit_identically(tmp_path, workers, faults):
+    """A dataset with state_dict()/load_state_dict() (torchdata's StatefulDataLoader protocol), masking at random
+    with Python's global generator in its loader workers: a kill in step 20 resumes from the states anchored at
+    batch 16 (the peers', for the replacement; the checkpoint's, for the rerun), reading 4-5 batches again instead
+    of 20, and every tensor of every rank, the anchors' worker states included, is the same as without a fault."""
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "verify", "--steps", "40", "--keep", str(tmp_path),
+                           "--workers", str(WORKERS), "--faults", faults, str(JOBS / "stream_stateful.py"),
+                           "--max-steps", "60", "--num-workers", workers],
+                          cwd=tmp_path, env=env(TG_EXACT=""), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("kill -9", "SIGTERM"))]
+    assert len(rows) == len(faults.split(",")) and all(" identical" in r for r in rows), proc.stdout
+    for fault in faults.split(","):
+        log = (tmp_path / fault / "launcher.log").read_text()
+        assert re.search(r"resumed at batch 2\d of its pass: from its state saved at batch 16, the \d batches", log), \
+            log[-3000:]
 
 
 def test_a_stream_under_elastic_is_refused_at_its_first_steps(tmp_path):

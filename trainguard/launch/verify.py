@@ -105,6 +105,7 @@ def plan(facts: dict, steps: int, rank: int, wanted: list[str]) -> list[Case]:
 
 def first_difference(a, b, path: str = "") -> str | None:
     """The path of the first value that differs between two loaded states (tensors bit for bit), or None."""
+    import numpy as np
     import torch
 
     from ..checkpoint.codec import WALLCLOCK
@@ -114,6 +115,9 @@ def first_difference(a, b, path: str = "") -> str | None:
             return path or "."
         same = torch.equal(*(t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b))) if a.numel() else True
         return None if same else path
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):  # a generator's state (NumPy's)
+        same = isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+        return None if same else (path or ".")
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b), key=str):
             if k == WALLCLOCK:
@@ -135,21 +139,21 @@ def first_difference(a, b, path: str = "") -> str | None:
 
 def compare(clean: Path, other: Path) -> tuple[str, int | None]:
     """"identical", or where the run in `other` first differs from the clean run; and that step."""
-    import torch
+    from ..checkpoint.blob import unpack  # pickle-free (train/engine/probe.py writes it)
 
-    ranks = sorted(p.name for p in clean.glob("rank_*.pt"))
+    ranks = sorted(p.name for p in clean.glob("rank_*.state"))
     missing = [r for r in ranks if not (other / r).exists()]
     if not ranks or missing:
         return f"no state at the last step from {', '.join(missing) or 'any rank'}", None
     worst: tuple[int, str] | None = None
     for name in ranks:
-        a, b = (torch.load(d / name, weights_only=True) for d in (clean, other))
+        a, b = (unpack((d / name).read_bytes(), str(d / name)) for d in (clean, other))
         where = first_difference(a["state"], b["state"])
         if where is None:
             continue
         common = sorted(set(a["digests"]) & set(b["digests"]))
         step = next((s for s in common if a["digests"][s] != b["digests"][s]), None)
-        rank = name[len("rank_"):-len(".pt")]
+        rank = name[len("rank_"):-len(".state")]
         found = (step if step is not None else a["step"], f"rank {rank}: {where}")
         worst = found if worst is None or found < worst else worst
     if worst is None:
@@ -203,13 +207,13 @@ def main(args: argparse.Namespace) -> int:
     print(f"trainguard verify: {args.script}, {own['steps']} committed steps a run, runs in {root}", flush=True)
     code, took, last = run("clean", {})
     clean = root / "clean" / "state"
-    if code != 0 or not any(clean.glob("rank_*.pt")):
+    if code != 0 or not any(clean.glob("rank_*.state")):
         print(f"the run without a fault did not reach step {own['steps']} (exit {code}): {last}\n"
               f"its log: {root / 'clean' / 'launcher.log'}", file=sys.stderr)
         return 1
-    import torch
+    from ..checkpoint.blob import unpack
 
-    facts = torch.load(clean / f"rank_{rank}.pt", weights_only=True)["facts"]
+    facts = unpack((clean / f"rank_{rank}.state").read_bytes(), "the clean run's state")["facts"]
     rows = [["none (the reference)", "-", f"{took:.1f} s", "reference", ""]]
     print(f"  {rows[0][0]}: {took:.1f} s", flush=True)
     failed = False

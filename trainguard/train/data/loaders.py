@@ -10,7 +10,9 @@ after the epoch's batches, an eval pass, is where a fault in it comes back to). 
 `trainguard.DistributedSampler` (the position must be settable), or reads an IterableDataset (a stream, one
 per rank and loader worker), which has no position to set: its pass is read again up to the committed batch,
 from an iterator whose workers' base seed is keyed, so a stream that is a function of (seed, rank, worker)
-gives the same batches. Every other loader (eval, test)
+gives the same batches; a stream that keeps its own position (`state_dict()`/`load_state_dict()`, the protocol of
+torchdata's StatefulDataLoader) resumes from a saved state near it instead (train/data/streamstate.py). Every other
+loader (eval, test)
 is a plain torch loader whose pass simply starts again when the script comes back to it; each of
 its batches is also a point where a rank notices that the cluster moved on.
 """
@@ -26,7 +28,7 @@ from ...errors import ConfigError
 from ..engine import guard as guard_mod
 from ..engine import rewind as rewind_mod
 from ..state.streams import key_seed
-from . import passes
+from . import passes, streamstate
 from .loaderseed import seed_loader_samples
 from .plainloaders import Resumable
 from .sampler import ShardedSampler, sharded_sampler
@@ -48,6 +50,7 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.tg_index = rewind_mod.next_loader_index()
+        self.tg_kept = streamstate.attach(self)  # a stream that keeps its own position: its workers' states
 
     def __iter__(self):
         return guarded_iter(self, lambda session: seed_loader_samples(self, sharded_sampler(self), session.streams.seed))
@@ -55,12 +58,15 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
     def plain_iter(self):
         return super().__iter__()
 
-    def quiet_iter(self, session):
+    def quiet_iter(self, session, anchor: dict | None = None):
         """torch's iterator, made without moving the global random stream. A stream's is made from a keyed one: the
-        base seed of its workers, which torch draws as the iterator is made, is then the same in every run."""
-        key = None
-        if is_stream(self):
-            key = key_seed(session.streams.seed or 0, session.rt.rank, f"stream/{self.tg_index}/{session.epoch}")
+        base seed of its workers, which torch draws as the iterator is made, is then the same in every run. A stream
+        that keeps its own position starts from `anchor` (streamstate.py)."""
+        if not is_stream(self):
+            return _quietly(self.plain_iter)
+        key = key_seed(session.streams.seed or 0, session.rt.rank, f"stream/{self.tg_index}/{session.epoch}")
+        if self.tg_kept is not None:
+            return _quietly(lambda: streamstate.kept_pass(self, session, anchor), key)
         return _quietly(self.plain_iter, key)
 
 
@@ -101,13 +107,17 @@ class _OtherBatches:
         if trains:
             refuse_unresumable(self.loader, elastic=session.strategy.elastic)  # now, not at the first fault
             session.passes.name(self.label)  # so that a loop resumed in another epoch's pass is told
+            _before_training_batch(self.guard)  # as a pass of the training loader made after the first commit
         try:
             batch = next(self.it)
         except StopIteration:
             if trains and passes.pass_done(session.in_epoch + self.guard.fetched, self.loader):
                 session.passes.end(session.state)  # its next pass begins the next epoch
             raise
-        self.guard.training_batch(self.loader.tg_index)
+        if trains:
+            _took_training_batch(self.guard, batch, self.loader.tg_index)
+        else:
+            self.guard.training_batch(self.loader.tg_index)
         return batch
 
 
@@ -131,15 +141,20 @@ class _TrainingBatches:
         if not replays(loader):
             loader.sampler.set_position(session.in_epoch * loader.batch_size)
             return loader.quiet_iter(session)
-        it = loader.quiet_iter(session)  # no position to set: read the pass again up to the committed batch
+        # no position to set: read the pass again up to the committed batch, from a saved state where the stream
+        # keeps one (streamstate.py), else from the pass's start
+        anchor = streamstate.resume_point(loader, session)
+        start = anchor["at"] if anchor is not None else 0
+        it = loader.quiet_iter(session, anchor)
         t0 = time.monotonic()
-        for _ in range(session.in_epoch):
+        for _ in range(session.in_epoch - start):
             next(it)
         if session.in_epoch and session.rt.rank == 0:
             what = "stream" if is_stream(loader) else "loader"
-            print(f"trainguard: the training {what} resumed at batch {session.in_epoch} of its pass: its first "
-                  f"{session.in_epoch} batches were read again and dropped in {time.monotonic() - t0:.2f} s (a {what} "
-                  "that has no position to set)", file=sys.stderr, flush=True)
+            since = (f"from its state saved at batch {start}, the {session.in_epoch - start} batches after it"
+                     if anchor is not None else f"its first {session.in_epoch} batches")
+            print(f"trainguard: the training {what} resumed at batch {session.in_epoch} of its pass: {since} were read "
+                  f"again and dropped in {time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
         return it
 
     def __iter__(self):
@@ -151,18 +166,28 @@ class _TrainingBatches:
         if session.restores != self.restores:  # recovered in place (started by hand): from the committed position
             self.restores = session.restores
             self.it = self._from_position()
-        if not guard.in_step:  # the step's first batch (gradient accumulation takes several)
-            session.streams.step_begins(session.step)  # a batch drawn with randomness (augmentation) draws the same
+        _before_training_batch(guard)
         try:
             batch = next(self.it)
         except StopIteration:
             if passes.pass_done(session.in_epoch + guard.fetched, self.loader):
                 session.passes.end(session.state)
             raise
-        guard.fetched += 1
-        if not guard.in_step:
-            guard.begin_step(batch, loader=self.loader.tg_index)
+        _took_training_batch(guard, batch, self.loader.tg_index)
         return batch
+
+
+def _before_training_batch(guard) -> None:
+    """The streams are keyed at the step's first batch (gradient accumulation takes several), so a batch drawn with
+    randomness in this process (an augmentation, a stream's own draws) draws the same in every run."""
+    if not guard.in_step:
+        guard.session.streams.step_begins(guard.session.step)
+
+
+def _took_training_batch(guard, batch, loader: int) -> None:
+    guard.fetched += 1
+    if not guard.in_step:
+        guard.begin_step(batch, loader=loader)
 
 
 def end_pass(loader) -> None:

@@ -89,7 +89,7 @@ class ReplayedLoader(Resumable):
     def plain_iter(self):
         return self._pass()
 
-    def quiet_iter(self, session):
+    def quiet_iter(self, session, anchor=None):  # a framework's loader keeps no state of its own (no anchor)
         return self._pass()  # a generator: nothing is drawn until its first batch, inside the step's streams
 
     def _pass(self):

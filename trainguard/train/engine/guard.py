@@ -50,9 +50,9 @@ from ..state import discover
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
 from ..state.shardckpt import ShardedCheckpoints, ShardedSaver
 from ..state.train_state import TrainState
-from . import audit, tail
-from . import rewind as rewind_mod
+from . import audit, tail, rewind as rewind_mod
 from .audit import Audit
+from .callbacks import Callback
 from .session import Session, SessionConfig
 
 log = logging.getLogger("trainguard.guard")
@@ -97,7 +97,7 @@ class Guard:
         state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler, extra=self.stateful,
                            sharded=sharding.is_sharded(model))
         rt = rt_mod.joined()
-        callbacks = []
+        callbacks = [obj for obj in self.stateful.values() if isinstance(obj, Callback)]  # a stream's anchors
         if opt.checkpoints is not None:
             callbacks.append(ShardedSaver(opt.checkpoints, state, rt, sharding.job_mesh()))
         # the per-rank dying gasp: where the script gives sliced checkpoints, only if asked for, or for a dump after a

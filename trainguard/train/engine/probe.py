@@ -3,7 +3,7 @@ TG_VERIFY_STEPS, installed with the test hooks (faults.env_callbacks).
 
 At every commit the probe takes a digest (sha256 of every tensor's bytes and every other value) of the state a
 restore fills (model, optimizer, scheduler, registered objects): the first step whose digest differs between two
-runs is where they parted. At commit N it writes DIR/rank_R.pt (the state, the digests, and the facts verify
+runs is where they parted. At commit N it writes DIR/rank_R.state (pickle-free, checkpoint/blob.py: the state, the digests, and the facts verify
 plans its faults with: the step that ended the first epoch, the first collective this rank made outside a step)
 and the rank leaves the script with exit 0, as every rank does at the same commit.
 """
@@ -14,8 +14,10 @@ import hashlib
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from ...checkpoint.blob import pack
 from .callbacks import Callback
 
 VERIFY_DIR_ENV, VERIFY_STEPS_ENV = "TG_VERIFY_DIR", "TG_VERIFY_STEPS"
@@ -36,6 +38,8 @@ def digest(obj) -> str:
             t = x.detach().cpu().contiguous().reshape(-1)
             h.update(f"{t.dtype}{list(x.shape)}".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, np.ndarray):  # a generator's state (NumPy's), whose repr elides the middle of long arrays
+            h.update(f"{x.dtype}{list(x.shape)}".encode() + np.ascontiguousarray(x).tobytes())
         elif isinstance(x, dict):
             for k in sorted(x, key=str):
                 h.update(repr(k).encode())
@@ -48,17 +52,6 @@ def digest(obj) -> str:
 
     walk(obj)
     return h.hexdigest()
-
-
-def copied(obj):
-    """`obj` with every tensor cloned to the CPU (the state's tensors are the live ones)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: copied(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(copied(v) for v in obj)
-    return obj
 
 
 class VerifyProbe(Callback):
@@ -93,9 +86,9 @@ class VerifyProbe(Callback):
         if session.step < self.steps:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        path = self.out / f"rank_{session.rt.rank}.pt"
-        torch.save({"step": session.step, "state": copied(state), "digests": dict(_digests), "facts": dict(_facts)},
-                   str(path) + ".tmp")
+        path = self.out / f"rank_{session.rt.rank}.state"
+        Path(str(path) + ".tmp").write_bytes(pack({"step": session.step, "state": state, "digests": dict(_digests),
+                                                   "facts": dict(_facts)}))  # pickle-free; copies the tensors
         os.replace(str(path) + ".tmp", path)
         raise SystemExit(0)
 

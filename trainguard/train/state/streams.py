@@ -55,6 +55,19 @@ def seed_streams(s: int) -> None:
         torch.cuda.manual_seed(s)
 
 
+def stream_states() -> dict:
+    """Python's, NumPy's and torch's global random states now (a loader worker's, kept with a stream's position:
+    train/data/streamstate.py)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_stream_states(states: dict) -> None:
+    """Set what `stream_states()` took."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+
+
 def restore_point(step: int, forwards: int) -> str:
     """The key a restore to committed step `step` sets (pure); see the module docstring."""
     if step == 0:
