@@ -101,11 +101,12 @@ class _OtherBatches:
         return self
 
     def __next__(self):
-        self.guard.poll()
         session = self.guard.session
         trains = session.train_loader == self.loader.tg_index  # the first commit named this pass's loader
+        if trains:  # now, not at the first fault; before a peer's own refusal can look like a fault here
+            refuse_unresumable(self.loader, elastic=session.strategy.elastic)
+        self.guard.poll()
         if trains:
-            refuse_unresumable(self.loader, elastic=session.strategy.elastic)  # now, not at the first fault
             session.passes.name(self.label)  # so that a loop resumed in another epoch's pass is told
             _before_training_batch(self.guard)  # as a pass of the training loader made after the first commit
         try:
