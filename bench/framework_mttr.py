@@ -2,7 +2,8 @@
 examples/<framework>/train.py under `trainguard run` (a hot spare, its defaults) against
 examples/<framework>/train_plain.py under `torchrun --standalone --max-restarts 3`, 3 workers on CPU.
 Each run trains until rank 0 has made --at steps, then rank 1 is killed with SIGKILL from outside; the figure is the
-time from the kill to rank 0's next optimizer step (bench/steptimer.py stamps every step with the wall clock), which
+time from the kill to rank 0's next optimizer step (bench/steptimer/sitecustomize.py stamps every step with the wall
+clock, without a wrapper script in front of the example, which would hide its imports from the hot spare), which
 is what trainguard's report calls MTTR. torchrun restarts every worker, and the plain script starts again from its
 first epoch (it resumes only when told `--resume_from_checkpoint`); trainguard's survivors go on from the last commit.
 The two alternate, --runs times each; medians.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from frameworks import NAMES, REPO, scripts
 
-TIMER = REPO / "bench" / "steptimer.py"
+TIMER = REPO / "bench" / "steptimer"  # a sitecustomize: on PYTHONPATH, with STEPTIMER=1
 HANG_S = 120  # a run still going this long after the kill is stopped and counted as one that did not step again
 
 
@@ -44,7 +45,8 @@ def one(make, at: int) -> float | str:
         folder = Path(d)
         cmd = make(folder)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TG_FAULT": "",
-               "STEPTIMER_DIR": str(folder)}
+               "STEPTIMER_DIR": str(folder), "STEPTIMER": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(TIMER), os.environ.get("PYTHONPATH")]))}
         proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         deadline = time.monotonic() + 300
@@ -78,10 +80,10 @@ def main() -> None:
 
     def plain(folder: Path) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                "--max-restarts", "3", str(TIMER), *scripts(args.framework, 10, 16, str(folder / "out"))[0]]
+                "--max-restarts", "3", *scripts(args.framework, 10, 16, str(folder / "out"))[0]]
 
     def guarded(folder: Path) -> list[str]:
-        return [sys.executable, "-m", "trainguard", "run", "--workers", "3", str(TIMER),
+        return [sys.executable, "-m", "trainguard", "run", "--workers", "3",
                 *scripts(args.framework, 10, 16, str(folder / "out"))[1]]
 
     setups = {"torchrun --max-restarts 3": plain, "trainguard run": guarded}

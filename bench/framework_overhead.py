@@ -1,8 +1,8 @@
 """What trainguard costs a framework's script: examples/<framework>/train_plain.py under torchrun against
 examples/<framework>/train.py (the same script, ported) under `trainguard run`, 3 workers on CPU (gloo), for Hugging
 Face Accelerate and the transformers Trainer (bench/frameworks.py). The two alternate, --runs times each; each run
-reports the median interval between its optimizer steps after a warm-up (bench/steptimer.py, which times any script
-through torch's global optimizer-step hook), and the figure is the median over the runs. The scripts' own
+reports the median interval between its optimizer steps after a warm-up (bench/steptimer/sitecustomize.py, which times
+any script through torch's global optimizer-step hook), and the figure is the median over the runs. The scripts' own
 checkpoints are off.
 
     python bench/framework_overhead.py [--framework accelerate|transformers] [--runs 5] [--epochs 20] [--channels 16]
@@ -19,11 +19,12 @@ import tempfile
 from frameworks import NAMES, REPO, scripts
 
 STEP_TIME = re.compile(r"median step time: ([0-9.]+) ms \((\d+) steps timed\), CPU time per step: ([0-9.]+) ms")
-TIMER = REPO / "bench" / "steptimer.py"
+TIMER = REPO / "bench" / "steptimer"  # a sitecustomize: on PYTHONPATH, with STEPTIMER=1
 
 
 def run(cmd: list[str], cwd: str) -> tuple[float, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TG_FAULT": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TG_FAULT": "", "STEPTIMER": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TIMER), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     found = STEP_TIME.search(proc.stdout + proc.stderr)
     if proc.returncode != 0 or found is None:
@@ -41,9 +42,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cwd:
         plain_script, port = scripts(args.framework, args.epochs, args.channels, os.path.join(cwd, "out"))
-        plain = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.workers), str(TIMER),
+        plain = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.workers),
                  *plain_script]
-        guarded = [sys.executable, "-m", "trainguard", "run", "--workers", str(args.workers), str(TIMER), *port]
+        guarded = [sys.executable, "-m", "trainguard", "run", "--workers", str(args.workers), *port]
         measure(args, plain, guarded, cwd)
 
 
