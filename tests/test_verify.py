@@ -78,8 +78,8 @@ def test_the_faults_follow_what_the_clean_run_saw():
                                       {"TG_FAULT": "1:12:kill"}]
     assert [c.before for c in cases] == [9, 12, 12]  # the last step committed before each fault
     assert plan({"outside": None, "epoch_end": 30}, 20, 1, ["outside", "epoch-end"]) == []  # neither happened
-    assert plan({}, 20, 0, ["sigterm"]) == [Case("sigterm", "after step 10, then the same command again",
-                                                  {"TG_FAULT": "0:10:term"}, rerun=True, before=10)]
+    assert plan({}, 20, 0, ["sigterm"]) == [Case("sigterm", "after step 10 (stops at the next commit), then the same "
+                                                  "command again", {"TG_FAULT": "0:10:term"}, rerun=True, before=10)]
     assert plan({}, 20, 1, ["scheduler"]) == [Case("scheduler", "right after step 10", {"TG_FAULT": "1:10:sched"},
                                                    before=10)]
 
@@ -92,3 +92,17 @@ def test_a_script_that_is_not_reproducible_is_told_apart_from_a_fault(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9 after a commit"))
     assert "differs from step 1: " in row and "before the fault: the script does not make the same steps twice" in row, row
+
+
+def test_a_run_with_the_same_tensors_whose_audit_speaks_is_a_difference(tmp_path):
+    """A logged all_reduce after the update, killed from inside: the run after the fault resumes past it, so every
+    tensor is the same but that step's eval line never comes. verify says so and exits 1 (it used to print "every run
+    is identical" and exit 0 beside the audit's warning: a blind port's finding)."""
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "verify", "--steps", "8", "--faults", "outside",
+                           "--workers", "3", "--keep", str(tmp_path), str(REPO / "tests" / "jobs" / "cycle.py"),
+                           "--max-steps", "9", "--eval", "after"], cwd=tmp_path, env=env(TG_EXACT=""), capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9 outside a step"))
+    assert "same state, audit differs" in row and "did not run again" in row, proc.stdout
+    assert "every run is identical" not in proc.stdout

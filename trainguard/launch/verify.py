@@ -13,7 +13,9 @@ The faults (rank 1, or 0 alone; steps about the middle of the N):
 
 Each run has its own working directory (the script's own relative files, such as its snapshot, do not leak from
 one run into the next); an argument that names an existing path is made absolute. The probe that takes the
-state is train/engine/probe.py. Exit 0 when every row is identical, 1 otherwise, 2 on bad input.
+state is train/engine/probe.py. Exit 0 when every row is identical and the replay audit said nothing, 1 otherwise
+(a row with the same tensors whose audit speaks is "same state, audit differs": the run lost what the state does
+not hold, an eval line or a save), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def plan(facts: dict, steps: int, rank: int, wanted: list[str]) -> list[Case]:
         elif name == "scheduler":
             cases.append(Case(name, f"right after step {k}", {"TG_FAULT": f"{rank}:{k}:sched"}, before=k))
         elif name == "sigterm":
-            cases.append(Case(name, f"after step {k}, then the same command again", {"TG_FAULT": f"{rank}:{k}:term"},
+            cases.append(Case(name, f"after step {k} (stops at the next commit), then the same command again",
+                              {"TG_FAULT": f"{rank}:{k}:term"},
                               rerun=True, before=k))
     return cases
 
@@ -227,12 +230,15 @@ def main(args: argparse.Namespace) -> int:
         if step is not None and step <= case.before:
             result += (", before the fault: the script does not make the same steps twice (an unseeded generator, the "
                        "clock, a file it reads): seed it, then verify again")
+        audit = diagnosis(root / case.name / "recovery")
+        if result == "identical" and audit:  # the same tensors, but the run lost what they do not hold (an eval line)
+            result = "same state, audit differs"
         failed |= result != "identical"
         what = {"mid-step": "kill -9 in a step", "after-commit": "kill -9 after a commit",
                 "outside": "kill -9 outside a step", "epoch-end": "kill -9 at an epoch's end",
                 "scheduler": "kill -9 of the scheduler", "sigterm": "SIGTERM and a rerun"}[case.name]
         rows.append([what if case.name == "scheduler" else f"{what} (rank {rank})", case.moment, f"{took:.1f} s", result,
-                     diagnosis(root / case.name / "recovery")])
+                     audit])
         print(f"  {what}: {result}", flush=True)
     skipped = [f for f in own["faults"] if f not in {c.name for c in cases}]
     from ..obs.report import table
@@ -242,7 +248,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"not run: {name} ({'no collective outside a step' if name == 'outside' else 'no epoch ended'} "
               f"within {own['steps']} steps)")
     if failed:
-        print(f"NOT identical: see the rows above; each run's log is in {root}/<fault>/launcher.log")
+        print(f"NOT identical: see the rows above; each run's log is in {root}/<fault>/launcher.log (\"same state, audit "
+              "differs\": every tensor is the same, but the run skipped or changed what the state does not hold, such "
+              "as an eval line, a logged metric or a save; the audit column says what and the fix)")
         return 1
     print("every run is identical to the one without a fault")
     if own["keep"] is None:
