@@ -3,9 +3,9 @@ TG_VERIFY_STEPS, installed with the test hooks (faults.env_callbacks).
 
 At every commit the probe takes a digest (sha256 of every tensor's bytes and every other value) of the state a
 restore fills (model, optimizer, scheduler, registered objects): the first step whose digest differs between two
-runs is where they parted. At commit N it writes DIR/rank_R.state (pickle-free, checkpoint/blob.py: the state, the digests, and the facts verify
-plans its faults with: the step that ended the first epoch, the first collective this rank made outside a step)
-and the rank leaves the script with exit 0, as every rank does at the same commit.
+runs is where they parted. At commit N it writes DIR/rank_R.state (pickle-free, checkpoint/blob.py: the state,
+the digests, and the facts verify plans its faults with: the step that ended the first epoch, the first collective
+this rank made outside a step) and the rank leaves the script with exit 0, as every rank does at the same commit.
 """
 
 from __future__ import annotations
