@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import textwrap
 
 import torch.distributed as dist
 
@@ -123,7 +124,8 @@ def prepare(exc: BaseException) -> bool:
     if copies is not None:
         copies.close()  # a round blocked on a peer ended when the group was cut
     rt.events.emit("rewind", generation=rt.generation, rank=rt.rank, step=step)
-    print(f"trainguard: rank {rt.rank}: back to step {step} ({reason[:200]}); running the script again",
+    said = textwrap.shorten(reason, 200, placeholder=" ...")  # whole words: gloo's errors run long
+    print(f"trainguard: rank {rt.rank}: back to step {step} ({said}); running the script again",
           file=sys.stderr, flush=True)
     return True
 
