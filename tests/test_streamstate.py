@@ -41,7 +41,8 @@ def test_a_state_a_checkpoint_cannot_hold_is_a_config_error_at_the_first_batch()
 
 def test_malformed_anchors_are_refused_naming_the_fix():
     anchors = streamstate.Anchors(loader=None)
-    for bad in ({"ranks": {0: {"at": 3}}}, {"ranks": [1]}, "x"):
+    for bad in ({"ranks": {0: {"at": 3}}}, {"ranks": [1]}, "x", {"ranks": {0: {"epoch": 0, "at": "3", "workers": {}}}},
+                {"ranks": {0: {"epoch": 0, "at": 3, "workers": {0: {"rng": 1}}}}}):
         with pytest.raises(ConfigError, match="resume from another checkpoint"):
             anchors.load_state_dict(bad)
     anchors.load_state_dict({"ranks": {"1": {"epoch": 2, "at": 8, "workers": {}}}})

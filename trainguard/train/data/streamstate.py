@@ -106,8 +106,7 @@ class Anchors(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         ranks = state.get("ranks") if isinstance(state, dict) else None
-        if not isinstance(ranks, dict) or not all(isinstance(a, dict) and {"epoch", "at", "workers"} <= a.keys()
-                                                  for a in ranks.values()):
+        if not isinstance(ranks, dict) or not all(_well_formed(r, a) for r, a in ranks.items()):
             raise ConfigError("the saved position of a training stream is malformed: resume from another checkpoint")
         self.ranks = {int(r): a for r, a in ranks.items()}
 
@@ -123,6 +122,16 @@ class Anchors(Callback):
         if anchor is None or anchor["epoch"] != epoch or anchor["at"] > position:
             return None
         return anchor
+
+
+def _well_formed(rank, anchor) -> bool:
+    """An anchor as `Kept.anchor` makes it (pure): what a checkpoint or a peer hands over is checked before use."""
+    if not (isinstance(rank, int) or (isinstance(rank, str) and rank.isdigit())) or not isinstance(anchor, dict):
+        return False
+    workers = anchor.get("workers")
+    return (type(anchor.get("epoch")) is int and type(anchor.get("at")) is int and anchor["at"] >= 0
+            and isinstance(workers, dict) and all(type(w) is int and isinstance(st, dict) and "dataset" in st
+                                                  for w, st in workers.items()))
 
 
 def attach(loader) -> Kept | None:
