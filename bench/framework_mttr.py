@@ -1,4 +1,5 @@
-"""kill -9 to the next step for a framework's script (Accelerate, the transformers Trainer: bench/frameworks.py):
+"""kill -9 to the next step for a framework's script (Accelerate, the transformers Trainer, Lightning:
+bench/frameworks.py):
 examples/<framework>/train.py under `trainguard run` (a hot spare, its defaults) against
 examples/<framework>/train_plain.py under `torchrun --standalone --max-restarts 3`, 3 workers on CPU.
 Each run trains until rank 0 has made --at steps, then rank 1 is killed with SIGKILL from outside; the figure is the
@@ -8,7 +9,7 @@ is what trainguard's report calls MTTR. torchrun restarts every worker, and the 
 first epoch (it resumes only when told `--resume_from_checkpoint`); trainguard's survivors go on from the last commit.
 The two alternate, --runs times each; medians.
 
-    python bench/framework_mttr.py [--framework accelerate|transformers] [--runs 3]
+    python bench/framework_mttr.py [--framework accelerate|transformers|lightning] [--runs 3]
 """
 
 import argparse

@@ -1,11 +1,11 @@
 """What trainguard costs a framework's script: examples/<framework>/train_plain.py under torchrun against
 examples/<framework>/train.py (the same script, ported) under `trainguard run`, 3 workers on CPU (gloo), for Hugging
-Face Accelerate and the transformers Trainer (bench/frameworks.py). The two alternate, --runs times each; each run
+Face Accelerate, the transformers Trainer and PyTorch Lightning (bench/frameworks.py). The two alternate, --runs times each; each run
 reports the median interval between its optimizer steps after a warm-up (bench/steptimer/sitecustomize.py, which times
 any script through torch's global optimizer-step hook), and the figure is the median over the runs. The scripts' own
 checkpoints are off.
 
-    python bench/framework_overhead.py [--framework accelerate|transformers] [--runs 5] [--epochs 20] [--channels 16]
+    python bench/framework_overhead.py [--framework accelerate|transformers|lightning] [--runs 5] [--epochs 20] [--channels 16]
 """
 
 import argparse
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from frameworks import NAMES, REPO, scripts
+from frameworks import LABELS, NAMES, REPO, WORKERS, scripts
 
 STEP_TIME = re.compile(r"median step time: ([0-9.]+) ms \((\d+) steps timed\), CPU time per step: ([0-9.]+) ms")
 TIMER = REPO / "bench" / "steptimer"  # a sitecustomize: on PYTHONPATH, with STEPTIMER=1
@@ -37,11 +37,12 @@ def main() -> None:
     parser.add_argument("--framework", choices=NAMES, default="accelerate")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=WORKERS)
     parser.add_argument("--channels", type=int, default=16, help="the model's width (the example's --channels)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cwd:
-        plain_script, port = scripts(args.framework, args.epochs, args.channels, os.path.join(cwd, "out"))
+        plain_script, port = scripts(args.framework, args.epochs, args.channels, os.path.join(cwd, "out"),
+                                     args.workers)
         plain = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.workers),
                  *plain_script]
         guarded = [sys.executable, "-m", "trainguard", "run", "--workers", str(args.workers), *port]
@@ -49,7 +50,7 @@ def main() -> None:
 
 
 def measure(args, plain: list[str], guarded: list[str], cwd: str) -> None:
-    label = {"accelerate": "Accelerate", "transformers": "Trainer"}[args.framework]
+    label = LABELS[args.framework]
     times: dict[str, list[float]] = {f"torchrun + {label}": [], f"trainguard + {label}": []}
     spent: dict[str, list[float]] = {name: [] for name in times}
     for i in range(args.runs):

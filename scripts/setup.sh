@@ -27,3 +27,10 @@ if [ -n "$toldest" ] && [ ! -f ".venv/transformers-oldest/transformers-$toldest.
     "certifi" "idna" "sniffio==1.3.1" \
     || echo "transformers==$toldest not installed; its test will be skipped"
 fi
+# the oldest Lightning that trainguard[lightning] accepts, beside the pinned one: tests/test_lightning.py runs it too
+loldest=$(sed -n 's/^lightning = \["lightning>=\([0-9.]*\)"\].*/\1/p' pyproject.toml)
+if [ -n "$loldest" ] && [ ! -f ".venv/lightning-oldest/lightning-$loldest.dist-info/METADATA" ]; then
+  rm -rf .venv/lightning-oldest
+  .venv/bin/python -m pip install -q --no-deps --target .venv/lightning-oldest "lightning==$loldest" \
+    || echo "lightning==$loldest not installed; its test will be skipped"
+fi

@@ -1,7 +1,8 @@
-"""Training frameworks whose own loop trainguard does not run live yet, told apart by the modules a script loaded.
+"""Training frameworks whose own loop trainguard does not run live as the script wrote it, told apart by the modules a
+script loaded.
 
-PyTorch Lightning's Trainer (and Fabric) set up their own processes, devices and process group from what they see:
-under `trainguard run` a plain Lightning script fails inside Lightning (`IndexError` in `DDPStrategy.root_device`,
+PyTorch Lightning's Trainer (without trainguard's strategy, compat/lightning.py) and Fabric set up their own
+processes, devices and process group from what they see: under `trainguard run` a plain Lightning script fails inside Lightning (`IndexError` in `DDPStrategy.root_device`,
 since it sees LOCAL_RANK=1 and one CPU device), the same way on every restart. A worker whose script fails with
 such a framework loaded ends the job at once with a message that names it and what to do instead
 (launch/worker_main.py), rather than restarting it into a crash loop. Decided by the modules loaded, never by
@@ -20,12 +21,22 @@ UNSUPPORTED = (  # (a module the framework loads when it is used, its name)
 )
 
 
+# the module that runs it live (Lightning's Trainer loads Fabric too)
+SUPPORTED_BY = {"PyTorch Lightning's Trainer": "trainguard.compat.lightning",
+                "Lightning Fabric": "trainguard.compat.lightning"}
+
+
 def unsupported_framework(modules: Container[str]) -> str | None:
     """The framework in `modules` (sys.modules) that trainguard cannot run live, or None (pure)."""
-    return next((name for module, name in UNSUPPORTED if module in modules), None)
+    return next((name for module, name in UNSUPPORTED
+                 if module in modules and SUPPORTED_BY.get(name) not in modules), None)
 
 
 def explain(framework: str) -> str:
+    if framework == "PyTorch Lightning's Trainer":
+        return ("this script trains with PyTorch Lightning's Trainer, which sets up its own processes, devices and "
+                "process group from what it sees, and a restart would fail the same way: give it trainguard's "
+                "strategy, `Trainer(strategy=trainguard.compat.lightning.Strategy(), ...)` (docs/porting.md)")
     return (f"this script trains with {framework}, which sets up its own processes, devices and process group: "
             "trainguard does not run it live yet, and a restart would fail the same way. Run it with torchrun, or "
             "train with trainguard's wrappers (docs/porting.md) or with Hugging Face Accelerate "

@@ -10,6 +10,8 @@ The faults (rank 1, or 0 alone; steps about the middle of the N):
     epoch-end     kill -9 right after the first epoch's last step, if the N steps reach one
     scheduler     kill -9 of the scheduler right after a commit (the launcher restarts it, the job goes on)
     sigterm       SIGTERM (a graceful stop and its dying gasp), then the same command again
+    at:OP:N       kill -9 just before the rank's N-th call of torch.distributed.OP in its first run (at:all_reduce:20:
+                  a metric's all_reduce inside a validation), where no named fault lands
 
 Each run has its own working directory (the script's own relative files, such as its snapshot, do not leak from
 one run into the next); an argument that names an existing path is made absolute. The probe that takes the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,12 +58,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take (default 600)")
 
 
+AT = re.compile(r"at:([a-z_]+):([1-9][0-9]*)")  # kill -9 at that rank's n-th call of torch.distributed.<op>
+
+
 def faults_list(text: str) -> list[str]:
     names = [f for f in text.split(",") if f]
-    bad = [f for f in names if f not in FAULTS]
+    bad = [f for f in names if f not in FAULTS and not AT.fullmatch(f)]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown {bad} (known: {', '.join(FAULTS)})")
+        raise argparse.ArgumentTypeError(f"unknown {bad} (known: {', '.join(FAULTS)}, and at:OP:N, e.g. "
+                                         "at:all_reduce:20)")
     return names
+
+
+def case_name(fault: str) -> str:
+    """A fault's run directory and row key (pure)."""
+    found = AT.fullmatch(fault)
+    return f"at-{found.group(1)}-{found.group(2)}" if found else fault
 
 
 def run_flags(argv: list[str], script_args: list[str]) -> list[str]:
@@ -99,6 +112,9 @@ def plan(facts: dict, steps: int, rank: int, wanted: list[str]) -> list[Case]:
                               before=e))
         elif name == "scheduler":
             cases.append(Case(name, f"right after step {k}", {"TG_FAULT": f"{rank}:{k}:sched"}, before=k))
+        elif AT.fullmatch(name):
+            op, n = AT.fullmatch(name).groups()
+            cases.append(Case(case_name(name), f"{op} #{n}", {"TG_FAULT_COLLECTIVE": f"{rank}:{op}:{n}"}))
         elif name == "sigterm":
             cases.append(Case(name, f"after step {k} (stops at the next commit), then the same command again",
                               {"TG_FAULT": f"{rank}:{k}:term"},
@@ -236,11 +252,12 @@ def main(args: argparse.Namespace) -> int:
         failed |= result != "identical"
         what = {"mid-step": "kill -9 in a step", "after-commit": "kill -9 after a commit",
                 "outside": "kill -9 outside a step", "epoch-end": "kill -9 at an epoch's end",
-                "scheduler": "kill -9 of the scheduler", "sigterm": "SIGTERM and a rerun"}[case.name]
+                "scheduler": "kill -9 of the scheduler", "sigterm": "SIGTERM and a rerun"}.get(case.name,
+                                                                                             "kill -9 at a collective")
         rows.append([what if case.name == "scheduler" else f"{what} (rank {rank})", case.moment, f"{took:.1f} s", result,
                      audit])
         print(f"  {what}: {result}", flush=True)
-    skipped = [f for f in own["faults"] if f not in {c.name for c in cases}]
+    skipped = [f for f in own["faults"] if case_name(f) not in {c.name for c in cases}]
     from ..obs.report import table
 
     print("\n" + table(["fault", "moment", "took", "result", "audit"], rows, left=True))

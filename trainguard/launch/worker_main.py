@@ -173,7 +173,7 @@ def _fail(script: str, exc: BaseException) -> NoReturn:
     exc = exc.with_traceback(tb)
     sys.excepthook(type(exc), exc, tb)  # trainguard.init() chains its hook here
     line = describe_error(exc, script)
-    framework = unsupported_framework(sys.modules)
+    framework = None if isinstance(exc, ConfigError) else unsupported_framework(sys.modules)  # ours names its cause
     if framework is not None:  # a framework trainguard does not run live: every restart would fail alike
         line = f"{explain(framework)} (the error: {line})"
     elif not is_deterministic(exc):

@@ -148,8 +148,11 @@ class _TrainingBatches:
         start = anchor["at"] if anchor is not None else 0
         it = loader.quiet_iter(session, anchor)
         t0 = time.monotonic()
+        last = None
         for _ in range(session.in_epoch - start):
-            next(it)
+            last = next(it)
+        if getattr(loader, "replays_pass", False):
+            loader.last_replayed = last  # the committed step's last batch, for a framework that ends that step
         if session.in_epoch and session.rt.rank == 0:
             what = "stream" if is_stream(loader) else "loader"
             since = (f"from its state saved at batch {start}, the {session.in_epoch - start} batches after it"

@@ -73,18 +73,29 @@ class ReplayedLoader(Resumable):
         self.inner = inner
         self.starts = starts
         self.tg_index = rewind_mod.next_loader_index()
+        self.last_replayed = None  # the last batch its pass was read again up to, after a restore
+        self.deferred: _Deferred | None = None  # its pass made before training started, if not begun yet
         starts.add(self.tg_index, inner)
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getattr__(self, name: str):  # anything else is the framework loader's (batch_size, dataset, set_epoch...)
-        if name in ("inner", "starts", "tg_index"):
+        if name in ("inner", "starts", "tg_index", "last_replayed", "deferred"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
     def __iter__(self):
+        if guard_mod.active() is None:  # made before the optimizer is wrapped (Lightning sizes its training loader in
+            self.deferred = _Deferred(self)  # configure_optimizers): which pass it is, is decided at its first batch
+            return self.deferred
         return loaders.guarded_iter(self)
+
+    def begin_pass(self) -> None:
+        """A pass made before training started is made now (a restored training loader reads it again up to the
+        committed batch here), not at its first batch."""
+        if self.deferred is not None:
+            self.deferred.start()
 
     def plain_iter(self):
         return self._pass()
@@ -100,3 +111,21 @@ class ReplayedLoader(Resumable):
             self.starts.end(self.tg_index)  # another loader: its state between passes is its state now
         # the training loader keeps its pass's start until its next pass begins: a job that comes back to the end of
         # this epoch reads the whole pass again, which leaves it as this pass's end left it
+
+
+class _Deferred:
+    """A pass made before training started: `loaders.guarded_iter` at its first batch, when the guard exists."""
+
+    def __init__(self, loader: ReplayedLoader) -> None:
+        self.loader, self.it = loader, None
+
+    def __iter__(self):
+        return self
+
+    def start(self) -> None:
+        if self.it is None:
+            self.it = iter(loaders.guarded_iter(self.loader))
+
+    def __next__(self):
+        self.start()
+        return next(self.it)

@@ -54,6 +54,20 @@ def digest(obj) -> str:
     return h.hexdigest()
 
 
+def in_run_dir(obj, root: str):
+    """`obj` with every string (and dict key) under `root` written `<run>/...`: each verify run has its own working
+    directory, and a path the script keeps in its state (ModelCheckpoint's best models) names it (pure)."""
+    if isinstance(obj, str):
+        return "<run>" + obj[len(root):] if obj == root or obj.startswith(root + os.sep) else obj
+    if isinstance(obj, dict):
+        return {in_run_dir(k, root): in_run_dir(v, root) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [in_run_dir(v, root) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(in_run_dir(v, root) for v in obj)
+    return obj
+
+
 class VerifyProbe(Callback):
     def __init__(self, out: Path, steps: int):
         self.out, self.steps = out, steps
@@ -79,7 +93,7 @@ class VerifyProbe(Callback):
 
     def on_step_end(self, session) -> None:
         _in_step[0] = False
-        state = session.state.capture_shared()
+        state = in_run_dir(session.state.capture_shared(), os.getcwd())
         if session.epoch >= 1 and _facts["epoch_end"] is None:
             _facts["epoch_end"] = max((s for s in _digests if s < session.step), default=None)  # the epoch's last
         _digests[session.step] = digest(state)

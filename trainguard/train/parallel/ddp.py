@@ -65,6 +65,17 @@ class DataParallel(nn.Module):
         # random streams after a training forward, and the replay audit fingerprints it
         DataParallel.instances.add(self)
 
+    @property
+    def training(self) -> bool:
+        """The wrapped module's mode: a framework may set it alone (Lightning puts back the module's mode after a
+        validation, not its wrapper's), and train()/eval() on the wrapper set the module's too."""
+        module = self.__dict__.get("_modules", {}).get("module")
+        return module.training if module is not None else True
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        pass  # nn.Module.train() sets the children's, the wrapped module's
+
     def rebuild(self, group: dist.ProcessGroup) -> None:
         object.__setattr__(self, "group", group)
         self.sync.attach(group)

@@ -1,0 +1,73 @@
+"""PyTorch Lightning: examples/lightning/train.py is examples/lightning/train_plain.py, a plain Lightning script
+(digits in a LightningDataModule, a CNN with BatchNorm and dropout, SGD with momentum and a StepLR per epoch, a
+training loss logged on step and epoch and validation metrics synced across ranks, ModelCheckpoint on the
+validation loss, LearningRateMonitor, a CSV logger, `seed_everything`), changed in 2 lines: the import and the
+Trainer's strategy. 3 ranks, real processes: `trainguard verify` kills rank 1 in a training step, inside the first
+epoch's validation (the metric's all_reduce as the validation ends), right after the epoch's last step, kills the
+scheduler, and SIGTERMs then runs the same command again. Every tensor of every rank's model, optimizer, scheduler
+and Lightning's bookkeeping (its loops' progress, ModelCheckpoint's state, every rank's logged values) is
+`torch.equal` to the run without a fault, and rank 0 prints the same epoch lines (their training loss is the mean of
+every rank's accumulated values, the replacement's included). Each run goes to step 24 (15 a epoch)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import REPO, changed_lines, env, rank0_lines, verify_identical
+
+pytest.importorskip("lightning")
+pytestmark = pytest.mark.timeout(400)
+
+ORIGINAL, PORT = REPO / "examples" / "lightning" / "train_plain.py", REPO / "examples" / "lightning" / "train.py"
+OLDEST = REPO / ".venv" / "lightning-oldest"  # scripts/setup.sh: the oldest version pyproject's extra accepts
+WORKERS, EPOCHS, STEPS = 3, 2, 24
+# rank 1's all_reduce calls: 7 before training (the sanity check's), one per step (the training loss logged on step),
+# then 4 as the first epoch's validation ends (two metrics, each a value and a count): #23 is the first of those
+IN_VALIDATION = "at:all_reduce:23"
+LINE = re.compile(r"epoch \d+: (train|val)_.*")
+
+
+def verify(tmp_path: Path, faults: str, *args: str, steps: int = STEPS, **extra: str) -> subprocess.CompletedProcess:
+    return verify_identical(tmp_path, PORT, faults, ["--devices", str(WORKERS), "--epochs", str(EPOCHS), *args],
+                            steps=steps, workers=WORKERS, **extra)
+
+
+def test_the_port_changes_at_most_five_lines():
+    changed, diff = changed_lines(ORIGINAL, PORT)
+    assert 0 < changed <= 5, diff
+    assert not re.search(r"^(import|from) trainguard", ORIGINAL.read_text(), re.M)  # the original is plain Lightning
+
+
+def test_every_fault_is_bit_identical_on_every_rank_with_the_same_epoch_lines(tmp_path):
+    proc = verify(tmp_path, f"mid-step,{IN_VALIDATION},epoch-end,scheduler,sigterm")
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("kill -9", "SIGTERM"))]
+    assert len(rows) == 5 and all(" identical" in r for r in rows), proc.stdout
+    where = (tmp_path / "at-all_reduce-23" / "launcher.log").read_text()
+    assert "rank 0: back to step 15 (CollectiveFailed: all_reduce" in where, where[-3000:]  # after the epoch's last
+    assert "the training loader resumed at batch" in (tmp_path / "mid-step" / "launcher.log").read_text()
+    reference = rank0_lines(tmp_path / "clean" / "launcher.log", LINE)
+    assert [line.split(":")[1].split()[0] for line in reference] == ["val_loss", "train_loss"], reference  # epoch 0's
+    for fault in ("mid-step", "at-all_reduce-23", "epoch-end", "scheduler", "sigterm"):
+        assert rank0_lines(tmp_path / fault / "launcher.log", LINE) == reference, fault
+
+
+def test_gradient_accumulation_with_a_schedule_stepped_per_update(tmp_path):
+    """15 batches an epoch, 2 an update: 8 updates, the last of one batch. The kill lands in that last update, whose
+    restore does the 7th update's rest again (its OneCycleLR step): the schedule is stepped once, not twice."""
+    proc = verify(tmp_path, "mid-step,epoch-end", "--grad_accum", "2", "--schedule", "step", steps=14)
+    assert "at step 7, after its first training forward" in proc.stdout and "right after step 8" in proc.stdout
+
+
+@pytest.mark.skipif(not OLDEST.is_dir(), reason="scripts/setup.sh installs the oldest accepted Lightning there")
+def test_the_oldest_lightning_the_extra_accepts(tmp_path):
+    oldest = {"PYTHONPATH": os.pathsep.join(filter(None, [str(OLDEST), os.environ.get("PYTHONPATH", "")]))}
+    version = subprocess.run([sys.executable, "-c", "import lightning; print(lightning.__version__)"],
+                             env=env(**oldest), capture_output=True, text=True, timeout=60).stdout.strip()
+    floor = re.search(r'"lightning>=([0-9.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    assert version == floor, (version, floor)
+    verify(tmp_path, f"mid-step,{IN_VALIDATION}", **oldest)

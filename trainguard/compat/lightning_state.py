@@ -1,0 +1,302 @@
+"""Lightning's bookkeeping as part of the job's committed state, and the loop entered at the committed update.
+
+Taken when an update commits (inside `Strategy.optimizer_step`, right after the step), the same on every rank:
+its loops' progress (epochs, batches, optimizer steps, scheduler steps, validation batches), the callbacks'
+`state_dict()`s, the datamodule's, `trainer.should_stop`, and where the logger connector is in the epoch. Per rank,
+and gathered from every rank inside the step (one all-gather of a few bytes, before the update, so it is the step's
+own exchange): the metrics `self.log` has accumulated in the epoch, the logged and callback metrics, and the step's
+output (what `on_train_batch_end` receives). A replacement needs its own of those.
+
+The run after a restore enters Lightning's loops at the committed update, as if it came back from
+`optimizer.step()`: the first epoch's start is not run again (`on_train_epoch_start` ran before the update), and
+the committed batch's remaining work is done there, with Lightning's own calls in Lightning's order (the LR
+schedulers' steps, `on_train_batch_end` with the batch read again from the loader, the step's log, then
+`on_advance_end`: the validation due, the epoch's end). Then the loops go on as they would have.
+
+The private names of Lightning this uses are listed in `NEEDS` and checked at import (`supported()`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loops import _TrainingEpochLoop
+from lightning.pytorch.loops.fit_loop import _FitLoop
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+
+from ..checkpoint.blob import pack, unpack
+from ..errors import ConfigError
+from ..train.data import loaders
+from ..worker.transfer import all_gather_bytes
+
+OLDEST = "2.4"
+# Lightning's names used beyond its public API (its instance attributes, which cannot be checked before a Trainer
+# exists, are the logger connector's `_first_loop_iter`, `_current_fx` and three metric dicts, the trainer's
+# `_logger_connector` and `_checkpoint_connector`, and the step closure's `_result`)
+NEEDS = ((_TrainingEpochLoop, ("update_lr_schedulers", "_num_ready_batches_reached", "on_advance_end",
+                               "batch_idx", "advance", "done")),
+         (_FitLoop, ("on_advance_start", "state_dict", "load_state_dict")),
+         (_LoggerConnector, ("on_batch_end", "update_train_step_metrics")),
+         (LightningModule, ("_on_before_batch_transfer",)),
+         (Trainer, ("_results",)))
+STEP_PROGRESS = "epoch_loop.automatic_optimization.optim_progress"
+_REDUCE = {"mean": torch.mean, "max": torch.max, "min": torch.min, "sum": torch.sum}
+
+
+def missing() -> list[str]:
+    return [f"{cls.__name__}.{name}" for cls, names in NEEDS for name in names if not hasattr(cls, name)]
+
+
+def supported() -> bool:
+    return not missing()
+
+
+# --- the per-rank part: logged metrics ------------------------------------------------------------------------------
+
+def _reduce_name(meta) -> str:
+    for name in ("mean", "max", "min", "sum"):
+        if getattr(meta, f"is_{name}_reduction"):
+            return name
+    raise ConfigError(f"self.log({meta.name!r}, reduce_fx=...) with a custom reduction: trainguard keeps mean, max, "
+                      "min and sum")
+
+
+def results_state(results) -> list:
+    """The epoch's logged values of a `_ResultCollection` as plain data (pure)."""
+    out = []
+    for key, metric in results.items():
+        if not metric.is_tensor:
+            raise ConfigError(f"self.log({metric.meta.name!r}, <a torchmetrics Metric>): its state is the module's, "
+                              "which trainguard does not keep; log a tensor, or register the metric with "
+                              "trainguard.register_state")
+        meta, sync = metric.meta, metric.meta.sync
+        tensors = {"value": metric.value.detach().cpu().clone()}
+        if meta.is_mean_reduction:
+            tensors["cumulated_batch_size"] = metric.cumulated_batch_size.detach().cpu().clone()
+        if isinstance(metric._forward_cache, torch.Tensor):
+            tensors["forward_cache"] = metric._forward_cache.detach().cpu().clone()
+        out.append({"key": key, "fx": meta.fx, "name": meta.name, "prog_bar": meta.prog_bar, "logger": meta.logger,
+                    "on_step": meta.on_step, "on_epoch": meta.on_epoch, "reduce": _reduce_name(meta),
+                    "enable_graph": meta.enable_graph, "add_dataloader_idx": meta.add_dataloader_idx,
+                    "dataloader_idx": meta.dataloader_idx, "metric_attribute": meta.metric_attribute,
+                    "sync": bool(sync.should), "rank_zero_only": bool(sync.rank_zero_only),
+                    "has_reset": bool(metric.has_reset), "updates": int(getattr(metric, "_update_count", 0)),
+                    "tensors": tensors})
+    return out
+
+
+def load_results(results, saved: list, reduce_fn, device) -> None:
+    results.clear()
+    for entry in saved:
+        meta = _Metadata(fx=entry["fx"], name=entry["name"], prog_bar=entry["prog_bar"], logger=entry["logger"],
+                         on_step=entry["on_step"], on_epoch=entry["on_epoch"], reduce_fx=_REDUCE[entry["reduce"]],
+                         enable_graph=entry["enable_graph"], add_dataloader_idx=entry["add_dataloader_idx"],
+                         dataloader_idx=entry["dataloader_idx"], metric_attribute=entry["metric_attribute"])
+        meta.sync = _Sync(_should=entry["sync"], fn=reduce_fn if entry["sync"] else _Sync.no_op,
+                          rank_zero_only=entry["rank_zero_only"])
+        metric = _ResultMetric(meta, True)
+        tensors = entry["tensors"]
+        metric.value = tensors["value"].to(device)
+        if "cumulated_batch_size" in tensors:
+            metric.cumulated_batch_size = tensors["cumulated_batch_size"].to(device)
+        if "forward_cache" in tensors:
+            metric._forward_cache = tensors["forward_cache"].to(device)
+        metric.has_reset = entry["has_reset"]
+        if hasattr(metric, "_update_count"):
+            metric._update_count = entry["updates"]
+        results[entry["key"]] = metric
+
+
+def _plain(value):
+    """A step output's values as plain data: tensors detached on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _on(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _on(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_on(v, device) for v in value]
+    return value
+
+
+# --- the book ------------------------------------------------------------------------------------------------------
+
+class Book:
+    """Lightning's bookkeeping as the last committed update left it; one object for `register_state`."""
+
+    def __init__(self, trainer, strategy) -> None:
+        self.trainer, self.strategy = trainer, strategy
+        self.ranks: list[bytes] | None = None  # every rank's part, gathered inside the step being taken
+        self.committed: dict | None = None
+        self.restored: dict | None = None
+
+    # taking
+
+    def gathering(self, closure):
+        """The step's closure, then every rank's part of the book gathered (inside the step, before the update)."""
+        def run():
+            loss = closure()
+            result = getattr(closure, "_result", None)
+            output = result.asdict() if result is not None else {}
+            connector = self.trainer._logger_connector
+            mine = {"results": results_state(self.trainer._results),
+                    "callback_metrics": _plain(dict(connector._callback_metrics)),
+                    "logged_metrics": _plain(dict(connector._logged_metrics)),
+                    "progress_bar_metrics": _plain(dict(connector._progress_bar_metrics)),
+                    "output": _plain(output)}
+            self.ranks = all_gather_bytes(pack(mine), torch.distributed.group.WORLD)
+            return loss
+        return run
+
+    def committed_update(self) -> None:
+        """Right after an update committed: the loops' state as `optimizer.step()` returning leaves it."""
+        trainer = self.trainer
+        loops = copy.deepcopy(trainer.fit_loop.state_dict())
+        step = loops[STEP_PROGRESS]["optimizer"]["step"]
+        for part in ("total", "current"):  # the loop counts the step completed right after this returns
+            step[part]["completed"] += 1
+        connector = trainer._logger_connector
+        self.committed = {
+            "loops": loops,
+            "hyper": self._hyperparameters(),
+            "callbacks": {cb.state_key: copy.deepcopy(cb.state_dict()) for cb in trainer.callbacks if cb.state_dict()},
+            "datamodule": copy.deepcopy(trainer.datamodule.state_dict()) if trainer.datamodule is not None else {},
+            "should_stop": bool(trainer.should_stop),
+            "first_loop_iter": connector._first_loop_iter,
+            "current_fx": connector._current_fx,
+            "ranks": list(self.ranks or []),
+        }
+        self.ranks = None
+        self._end_of_batches()  # after the book is the update's: the pass's end takes it
+
+    def _hyperparameters(self) -> dict:
+        """The optimizer's hyperparameters and the LR schedulers' states as the update left them: the rest of the
+        batch steps the schedulers, and does it again after a restore (what the job keeps of them is live, and a
+        fault after that step would step them twice)."""
+        groups = self.strategy.optimizers[0].param_groups
+        return {"groups": [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups],
+                "schedulers": [copy.deepcopy(c.scheduler.state_dict()) for c in self.trainer.lr_scheduler_configs]}
+
+    def _put_back_hyperparameters(self, saved: dict) -> None:
+        for group, values in zip(self.strategy.optimizers[0].param_groups, saved["groups"]):
+            group.update(values)
+        for config, state in zip(self.trainer.lr_scheduler_configs, saved["schedulers"]):
+            config.scheduler.load_state_dict(copy.deepcopy(state))
+
+    def _end_of_batches(self) -> None:
+        """The epoch's last batch was updated: the training loader's pass ends here, before the epoch's schedulers
+        step (the position's hyperparameters are the update's: the schedulers step again after a restore)."""
+        if self.trainer.fit_loop.epoch_loop._num_ready_batches_reached() and self.strategy.train_loader is not None:
+            loaders.end_pass(self.strategy.train_loader)
+
+    def state_dict(self) -> dict:
+        return self.committed or {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.committed = dict(state) or None
+        self.restored = self.committed
+
+    # resuming
+
+    def resume_epoch(self) -> int:
+        return int(self.restored["loops"]["epoch_progress"]["current"]["processed"])
+
+    def resume(self) -> None:
+        """A restored job: Lightning's own resume from `ckpt_path` is dropped (the job's state is newer), and the first
+        epoch the fit loop starts is entered at the committed update. The sanity check runs as in the job's first run
+        (it makes the validation loaders first: the loaders are numbered in the order they are made)."""
+        if self.restored is None:
+            raise ConfigError("the job's committed state has no Lightning bookkeeping: it was saved by another script "
+                              "(resume it with the script that saved it)")
+        trainer = self.trainer
+        trainer._checkpoint_connector.resume_end()
+        fit_loop, epoch_loop = trainer.fit_loop, trainer.fit_loop.epoch_loop
+        advance_start, epoch_run = fit_loop.on_advance_start, epoch_loop.run
+
+        def enter_epoch():
+            fit_loop.on_advance_start = advance_start  # once
+            self._apply()
+
+        def enter_batches(data_fetcher):
+            epoch_loop.run = epoch_run  # once
+            self._finish_committed_batch(data_fetcher)
+
+        fit_loop.on_advance_start = enter_epoch
+        epoch_loop.run = enter_batches
+
+    def _apply(self) -> None:
+        """The committed state into Lightning's objects, as the fit loop's first epoch starts (after the sanity check,
+        which resets the logged metrics)."""
+        saved, trainer = self.restored, self.trainer
+        fit_loop = trainer.fit_loop
+        fit_loop.load_state_dict(copy.deepcopy(saved["loops"]))
+        fit_loop.restarting = False  # the loops go on from here, not through Lightning's own restart
+        for cb in trainer.callbacks:
+            if cb.state_key in saved["callbacks"]:
+                cb.load_state_dict(copy.deepcopy(saved["callbacks"][cb.state_key]))
+        if trainer.datamodule is not None and saved["datamodule"]:
+            trainer.datamodule.load_state_dict(copy.deepcopy(saved["datamodule"]))
+        trainer.should_stop = saved["should_stop"]
+        self._put_back_hyperparameters(saved["hyper"])
+        mine = unpack(saved["ranks"][trainer.global_rank], "Lightning's logged metrics")
+        device = self.strategy.root_device
+        load_results(trainer._results, mine["results"], self.strategy.reduce, device)
+        connector = trainer._logger_connector
+        for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
+            target = getattr(connector, f"_{name}")
+            target.clear()
+            target.update(_on(mine[name], device))
+        connector._first_loop_iter = saved["first_loop_iter"]
+        connector._current_fx = saved["current_fx"]
+        self.output = _on(mine["output"], device)
+
+    def _finish_committed_batch(self, data_fetcher) -> None:
+        """The committed batch's work after its update, as `_TrainingEpochLoop.advance` does it, then the epoch's
+        batches from the next one on (`_TrainingEpochLoop.run` without its reset)."""
+        trainer, loop = self.trainer, self.trainer.fit_loop.epoch_loop
+        saved, self.restored = self.restored, None
+        data_fetcher.fetched += loop.batch_progress.current.ready
+        batch = self.strategy.replayed_batch()
+        batch = trainer.precision_plugin.convert_input(batch)
+        batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        batch = call._call_strategy_hook(trainer, "batch_to_device", batch, dataloader_idx=0)
+        trainer._results.batch = batch
+        batch_idx = loop.batch_idx
+        self._end_of_batches()
+        loop.batch_progress.increment_processed()
+        loop.update_lr_schedulers("step", update_plateau_schedulers=False)
+        if loop._num_ready_batches_reached():
+            loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+        call._call_callback_hooks(trainer, "on_train_batch_end", self.output, batch, batch_idx)
+        call._call_lightning_module_hook(trainer, "on_train_batch_end", self.output, batch, batch_idx)
+        trainer._logger_connector.on_batch_end()
+        loop.batch_progress.increment_completed()
+        trainer._logger_connector.update_train_step_metrics()
+        self.output = None
+        done = getattr(loop, "on_iteration_done", lambda: None)  # Lightning 2.5 and newer
+        try:
+            loop.on_advance_end(data_fetcher)
+        finally:
+            done()
+        while not loop.done:
+            try:
+                loop.advance(data_fetcher)
+                loop.on_advance_end(data_fetcher)
+            except StopIteration:
+                break
+            finally:
+                done()
+        del saved
