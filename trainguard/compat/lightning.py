@@ -15,8 +15,9 @@ runs again from the top after a fault, like any script, and `trainer.fit` resume
   resumes at the committed batch by reading its pass again (its order is the sampler's, whose epoch Lightning
   sets); the others are checked for a moved cluster at every batch;
 - **Lightning's own bookkeeping is part of the committed state** (compat/lightning_state.py): its loops' progress,
-  the callbacks' states (ModelCheckpoint's best models, EarlyStopping's patience), the logged metrics each rank
-  has accumulated in the epoch (every rank's: a replacement needs its own), taken as the update commits;
+  the callbacks' states (ModelCheckpoint's best models, EarlyStopping's patience), the values each rank has logged
+  in the epoch, torchmetrics objects included (every rank's: a replacement needs its own), taken as the update
+  commits;
 - **the run after a restore enters the loop at the committed update** and does that batch's remaining work there:
   the LR schedulers' steps, `on_train_batch_end`, the step's logging, the validation due after it, the epoch's end.
   A fault in any of them (a validation's `sync_dist`, ModelCheckpoint's barrier) therefore loses nothing and
@@ -24,11 +25,11 @@ runs again from the top after a fault, like any script, and `trainer.fit` resume
 
 SIGTERM is trainguard's graceful stop (a dying gasp at the next commit, which the same command resumes from), not
 Lightning's, which would end the job without one. Supported: automatic optimization with one optimizer, data
-parallelism on CPU or GPU, gradient accumulation, LR schedulers by step or by epoch, validation by epoch or by
-`val_check_interval`, callbacks with `state_dict()`, loggers. Not covered (a ConfigError at the start):
-manual optimization, several optimizers, `Trainer(max_steps=...)` with an iterable training loader without a
-length; not covered silently: state a LightningModule keeps outside its parameters and buffers (register it with
-`trainguard.register_state`), a `torchmetrics.Metric` logged as an object (its state is the module's), and FSDP.
+parallelism on CPU or GPU, gradient accumulation, LR schedulers by step or by epoch, validation, callbacks with
+`state_dict()`, values and torchmetrics objects given to `self.log`, loggers. Not covered (a ConfigError at the
+start): manual optimization, several optimizers; not covered silently: state a LightningModule keeps outside its
+parameters, buffers and logged metrics (register it with `trainguard.register_state`), a training loader without a
+length, FSDP and Lightning's model-parallel strategy.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class Strategy(DDPStrategy):
         self.loader_starts = PassStarts(lambda loader: {}, lambda loader, state: None)  # Lightning sets the epochs
         self.book: lightning_state.Book | None = None
         self.train_loader: ReplayedLoader | None = None
+        self.step_extra: dict = {}  # the training step's output but its loss (what Lightning hands on with the loss)
         self._sigterm = None  # trainguard's SIGTERM handler, put back over Lightning's
 
     # --- the job's processes ------------------------------------------------------------------------------------
@@ -219,12 +221,23 @@ class Strategy(DDPStrategy):
         else:
             yield
 
+    def training_step(self, *args, **kwargs):
+        out = super().training_step(*args, **kwargs)
+        self.step_extra = {k: v for k, v in out.items() if k not in ("loss", "hiddens")} if isinstance(out, dict) else {}
+        return out
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+        if self.book is not None and not loop._should_accumulate():  # the update follows this backward
+            self.book.start_gather(closure_loss, self.step_extra)
+
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         if self.tg_optimizer is None or optimizer is not self.tg_optimizer.optimizer:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         before = guard_mod.current().session.step
         out = self.precision_plugin.optimizer_step(self.tg_optimizer, model=model or self.lightning_module,
-                                                   closure=self.book.gathering(closure), **kwargs)
+                                                   closure=closure, **kwargs)
         if guard_mod.current().session.step > before:
             self.book.committed_update()
         return out

@@ -2,10 +2,11 @@
 
 Taken when an update commits (inside `Strategy.optimizer_step`, right after the step), the same on every rank:
 its loops' progress (epochs, batches, optimizer steps, scheduler steps, validation batches), the callbacks'
-`state_dict()`s, the datamodule's, `trainer.should_stop`, and where the logger connector is in the epoch. Per rank,
-and gathered from every rank inside the step (one all-gather of a few bytes, before the update, so it is the step's
-own exchange): the metrics `self.log` has accumulated in the epoch, the logged and callback metrics, and the step's
-output (what `on_train_batch_end` receives). A replacement needs its own of those.
+`state_dict()`s, the datamodule's, the optimizer's hyperparameters and the LR schedulers' states before the
+schedulers step, `trainer.should_stop`, and where the logger connector is in the epoch. Per rank, and gathered from
+every rank inside the step (compat/lightning_ranks.py: one asynchronous all-gather of a few numbers, started before
+the backward and finished before the update, so it is the step's own exchange): the values `self.log` has accumulated in the epoch, the logged and
+callback metrics, and the step's output (what `on_train_batch_end` receives). A replacement needs its own of those.
 
 The run after a restore enters Lightning's loops at the committed update, as if it came back from
 `optimizer.step()`: the first epoch's start is not run again (`on_train_epoch_start` ran before the update), and
@@ -26,25 +27,23 @@ from lightning.pytorch.loops import _TrainingEpochLoop
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
-from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
 
-from ..checkpoint.blob import pack, unpack
 from ..errors import ConfigError
 from ..train.data import loaders
-from ..worker.transfer import all_gather_bytes
+from .lightning_ranks import RankParts, rank_part
+from .lightning_results import load_results, results_state
 
 OLDEST = "2.4"
 # Lightning's names used beyond its public API (its instance attributes, which cannot be checked before a Trainer
-# exists, are the logger connector's `_first_loop_iter`, `_current_fx` and three metric dicts, the trainer's
-# `_logger_connector` and `_checkpoint_connector`, and the step closure's `_result`)
-NEEDS = ((_TrainingEpochLoop, ("update_lr_schedulers", "_num_ready_batches_reached", "on_advance_end",
-                               "batch_idx", "advance", "done")),
+# exists, are the logger connector's `_first_loop_iter`, `_current_fx` and three metric dicts, and the trainer's
+# `_logger_connector` and `_checkpoint_connector`)
+NEEDS = ((_TrainingEpochLoop, ("update_lr_schedulers", "_num_ready_batches_reached", "_should_accumulate",
+                               "on_advance_end", "batch_idx", "advance", "done")),
          (_FitLoop, ("on_advance_start", "state_dict", "load_state_dict")),
          (_LoggerConnector, ("on_batch_end", "update_train_step_metrics")),
          (LightningModule, ("_on_before_batch_transfer",)),
          (Trainer, ("_results",)))
 STEP_PROGRESS = "epoch_loop.automatic_optimization.optim_progress"
-_REDUCE = {"mean": torch.mean, "max": torch.max, "min": torch.min, "sum": torch.sum}
 
 
 def missing() -> list[str]:
@@ -53,62 +52,6 @@ def missing() -> list[str]:
 
 def supported() -> bool:
     return not missing()
-
-
-# --- the per-rank part: logged metrics ------------------------------------------------------------------------------
-
-def _reduce_name(meta) -> str:
-    for name in ("mean", "max", "min", "sum"):
-        if getattr(meta, f"is_{name}_reduction"):
-            return name
-    raise ConfigError(f"self.log({meta.name!r}, reduce_fx=...) with a custom reduction: trainguard keeps mean, max, "
-                      "min and sum")
-
-
-def results_state(results) -> list:
-    """The epoch's logged values of a `_ResultCollection` as plain data (pure)."""
-    out = []
-    for key, metric in results.items():
-        if not metric.is_tensor:
-            raise ConfigError(f"self.log({metric.meta.name!r}, <a torchmetrics Metric>): its state is the module's, "
-                              "which trainguard does not keep; log a tensor, or register the metric with "
-                              "trainguard.register_state")
-        meta, sync = metric.meta, metric.meta.sync
-        tensors = {"value": metric.value.detach().cpu().clone()}
-        if meta.is_mean_reduction:
-            tensors["cumulated_batch_size"] = metric.cumulated_batch_size.detach().cpu().clone()
-        if isinstance(metric._forward_cache, torch.Tensor):
-            tensors["forward_cache"] = metric._forward_cache.detach().cpu().clone()
-        out.append({"key": key, "fx": meta.fx, "name": meta.name, "prog_bar": meta.prog_bar, "logger": meta.logger,
-                    "on_step": meta.on_step, "on_epoch": meta.on_epoch, "reduce": _reduce_name(meta),
-                    "enable_graph": meta.enable_graph, "add_dataloader_idx": meta.add_dataloader_idx,
-                    "dataloader_idx": meta.dataloader_idx, "metric_attribute": meta.metric_attribute,
-                    "sync": bool(sync.should), "rank_zero_only": bool(sync.rank_zero_only),
-                    "has_reset": bool(metric.has_reset), "updates": int(getattr(metric, "_update_count", 0)),
-                    "tensors": tensors})
-    return out
-
-
-def load_results(results, saved: list, reduce_fn, device) -> None:
-    results.clear()
-    for entry in saved:
-        meta = _Metadata(fx=entry["fx"], name=entry["name"], prog_bar=entry["prog_bar"], logger=entry["logger"],
-                         on_step=entry["on_step"], on_epoch=entry["on_epoch"], reduce_fx=_REDUCE[entry["reduce"]],
-                         enable_graph=entry["enable_graph"], add_dataloader_idx=entry["add_dataloader_idx"],
-                         dataloader_idx=entry["dataloader_idx"], metric_attribute=entry["metric_attribute"])
-        meta.sync = _Sync(_should=entry["sync"], fn=reduce_fn if entry["sync"] else _Sync.no_op,
-                          rank_zero_only=entry["rank_zero_only"])
-        metric = _ResultMetric(meta, True)
-        tensors = entry["tensors"]
-        metric.value = tensors["value"].to(device)
-        if "cumulated_batch_size" in tensors:
-            metric.cumulated_batch_size = tensors["cumulated_batch_size"].to(device)
-        if "forward_cache" in tensors:
-            metric._forward_cache = tensors["forward_cache"].to(device)
-        metric.has_reset = entry["has_reset"]
-        if hasattr(metric, "_update_count"):
-            metric._update_count = entry["updates"]
-        results[entry["key"]] = metric
 
 
 def _plain(value):
@@ -139,27 +82,32 @@ class Book:
 
     def __init__(self, trainer, strategy) -> None:
         self.trainer, self.strategy = trainer, strategy
-        self.ranks: list[bytes] | None = None  # every rank's part, gathered inside the step being taken
+        self.parts = RankParts()
+        self.ranks: dict | None = None  # every rank's part, gathered inside the step being taken
         self.committed: dict | None = None
         self.restored: dict | None = None
+        self.output = None
+        # after trainguard's own pre-hook (registered when the job started): a failure skips the update
+        strategy.optimizers[0].register_step_pre_hook(lambda _opt, _args, _kwargs: self._gathered())
 
     # taking
 
-    def gathering(self, closure):
-        """The step's closure, then every rank's part of the book gathered (inside the step, before the update)."""
-        def run():
-            loss = closure()
-            result = getattr(closure, "_result", None)
-            output = result.asdict() if result is not None else {}
-            connector = self.trainer._logger_connector
-            mine = {"results": results_state(self.trainer._results),
-                    "callback_metrics": _plain(dict(connector._callback_metrics)),
-                    "logged_metrics": _plain(dict(connector._logged_metrics)),
-                    "progress_bar_metrics": _plain(dict(connector._progress_bar_metrics)),
-                    "output": _plain(output)}
-            self.ranks = all_gather_bytes(pack(mine), torch.distributed.group.WORLD)
-            return loss
-        return run
+    def start_gather(self, loss: torch.Tensor | None, extra: dict) -> None:
+        """Right before the backward of the batch the update follows (the training step has logged its values): this
+        rank's part, sent while the backward runs and the gradients are exchanged, behind nothing."""
+        output = {"loss": loss.detach().clone(), **extra} if loss is not None else {}  # Lightning's step output
+        connector = self.trainer._logger_connector
+        self.parts.start({"results": results_state(self.trainer._results),
+                          "callback_metrics": _plain(dict(connector._callback_metrics)),
+                          "logged_metrics": _plain(dict(connector._logged_metrics)),
+                          "progress_bar_metrics": _plain(dict(connector._progress_bar_metrics)),
+                          "output": _plain(output)})
+
+    def _gathered(self) -> None:
+        """Right before the update (an optimizer pre-hook, after trainguard's): every rank's part."""
+        if self.parts.pending is None:  # no backward this step (the training step returned None)
+            self.start_gather(None, {})
+        self.ranks = self.parts.finish()
 
     def committed_update(self) -> None:
         """Right after an update committed: the loops' state as `optimizer.step()` returning leaves it."""
@@ -177,7 +125,7 @@ class Book:
             "should_stop": bool(trainer.should_stop),
             "first_loop_iter": connector._first_loop_iter,
             "current_fx": connector._current_fx,
-            "ranks": list(self.ranks or []),
+            "ranks": self.ranks or {},
         }
         self.ranks = None
         self._end_of_batches()  # after the book is the update's: the pass's end takes it
@@ -251,9 +199,9 @@ class Book:
             trainer.datamodule.load_state_dict(copy.deepcopy(saved["datamodule"]))
         trainer.should_stop = saved["should_stop"]
         self._put_back_hyperparameters(saved["hyper"])
-        mine = unpack(saved["ranks"][trainer.global_rank], "Lightning's logged metrics")
+        mine = rank_part(saved["ranks"], trainer.global_rank)
         device = self.strategy.root_device
-        load_results(trainer._results, mine["results"], self.strategy.reduce, device)
+        load_results(trainer._results, mine["results"], trainer.lightning_module, self.strategy.reduce, device)
         connector = trainer._logger_connector
         for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
             target = getattr(connector, f"_{name}")

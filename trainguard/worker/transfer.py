@@ -108,3 +108,26 @@ def broadcast_module(module: torch.nn.Module, src: int, group: dist.ProcessGroup
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t.data, src, group=group)
+
+
+class FloatGather:
+    """Every rank's float64 vector (the same length on every rank), gathered by an all-gather started now and finished
+    by `finish()`: a small exchange started after the step's backward rides behind its gradient exchange instead of
+    waiting for the other ranks on its own. A failure comes out of `finish()` typed."""
+
+    def __init__(self, mine: torch.Tensor, group: dist.ProcessGroup) -> None:
+        world = dist.get_world_size(group)
+        self.shape = (world, mine.numel())
+        self.out = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        self.work = _start_gather(self.out, mine, group)
+
+    @_typed
+    def finish(self) -> torch.Tensor:
+        """[world, n]: row r is rank r's vector."""
+        self.work.wait()
+        return self.out.view(self.shape)
+
+
+@_typed
+def _start_gather(out: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup):
+    return dist.all_gather_into_tensor(out, mine, group=group, async_op=True)

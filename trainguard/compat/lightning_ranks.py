@@ -1,0 +1,92 @@
+"""Every rank's part of Lightning's bookkeeping (its accumulated logged values, its metrics, its step output), gathered
+inside each step without a wait of its own.
+
+A replacement needs its own part, so every rank holds every rank's. The parts are a few numbers laid out the same
+way on every rank (the same keys, the same metadata): the numbers travel in one asynchronous all-gather of a float64
+vector, started after the step's backward and finished right before its update (an optimizer pre-hook, after
+trainguard's own: a failure there skips the update, as a failed gradient exchange does), and the layout is checked by
+a digest sent with them. A part whose layout differs between ranks, whose numbers a float64 cannot hold, or that
+outgrows the vector, is sent whole instead (two more collectives, synchronous, on every rank together: each rank
+decides from the same gathered headers), and the vector grows for the next step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.blob import pack, unpack
+from ..checkpoint.codec import flatten_state, unflatten_state
+from ..worker.transfer import FloatGather, all_gather_bytes
+
+FIRST_CAPACITY = 64  # float64 slots a rank sends: a digest, a count, the numbers
+_EXACT = 2.0 ** 53  # integers a float64 holds exactly
+
+
+def _digest(layout: str) -> float:
+    return float(int.from_bytes(hashlib.sha256(layout.encode()).digest()[:6], "big"))  # < 2**48: exact as a float64
+
+
+def _exact(t: torch.Tensor) -> bool:
+    if t.dtype.is_complex:
+        return False
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.numel() == 0:
+        return True
+    return bool(t.abs().max() < _EXACT)
+
+
+def _layout(tensors: dict, meta: dict) -> str:
+    spec = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
+    return json.dumps({"meta": meta, "spec": spec}, sort_keys=True)
+
+
+class RankParts:
+    def __init__(self) -> None:
+        self.capacity = FIRST_CAPACITY
+        self.pending: tuple | None = None  # (part, layout, count, gather) of the step under way
+
+    def start(self, part: dict) -> None:
+        """This rank's part, sent to every rank (the gather finishes in `finish()`)."""
+        tensors, meta = flatten_state(part, copy=False)
+        layout = _layout(tensors, meta)
+        flat = [t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors.values()]
+        numbers = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+        count = numbers.numel() if all(_exact(t) for t in tensors.values()) else -1
+        mine = torch.zeros(self.capacity, dtype=torch.float64)
+        mine[0], mine[1] = _digest(layout), count
+        if 0 <= count <= self.capacity - 2:
+            mine[2:2 + count] = numbers
+        self.pending = (part, layout, count, FloatGather(mine, dist.group.WORLD))
+
+    def finish(self) -> dict | None:
+        """Every rank's part: {"layout", "values" [world, n]}, or {"packed": every rank's part as a blob}."""
+        if self.pending is None:
+            return None
+        part, layout, count, gather = self.pending
+        self.pending = None
+        rows = gather.finish()
+        counts = rows[:, 1]
+        if bool((rows[:, 0] == rows[0, 0]).all()) and bool((counts == count).all()) and 0 <= count <= self.capacity - 2:
+            return {"layout": layout, "values": rows[:, 2:2 + count].clone()}
+        needed = int(counts.max().item()) + 2
+        if needed > self.capacity:  # every rank sees the same rows: the vector grows the same everywhere
+            self.capacity = 1 << math.ceil(math.log2(needed))
+        return {"packed": all_gather_bytes(pack(part), dist.group.WORLD)}
+
+
+def rank_part(parts: dict, rank: int) -> dict:
+    """Rank `rank`'s part out of what `finish()` gathered (pure)."""
+    if "packed" in parts:
+        return unpack(parts["packed"][rank], "Lightning's logged values")
+    layout = json.loads(parts["layout"])
+    values = parts["values"][rank]
+    tensors, at = {}, 0
+    for name, dtype, shape in layout["spec"]:
+        n = math.prod(shape)
+        tensors[name] = values[at:at + n].to(getattr(torch, dtype)).reshape(shape)
+        at += n
+    return unflatten_state(tensors, layout["meta"])
