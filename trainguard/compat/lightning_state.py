@@ -54,6 +54,23 @@ def supported() -> bool:
     return not missing()
 
 
+_IMMUTABLE = (str, int, float, bool, bytes, type(None))
+
+
+def snapshot(value):
+    """A copy of a state dict as it is now (tensors cloned), cheaper than `copy.deepcopy` for the nested dicts of
+    numbers Lightning's loops and callbacks give (one is taken at every commit)."""
+    if isinstance(value, _IMMUTABLE):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) is dict:
+        return {k: snapshot(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(snapshot(v) for v in value)
+    return copy.deepcopy(value)
+
+
 def _plain(value):
     """A step output's values as plain data: tensors detached on the CPU."""
     if isinstance(value, torch.Tensor):
@@ -112,7 +129,7 @@ class Book:
     def committed_update(self) -> None:
         """Right after an update committed: the loops' state as `optimizer.step()` returning leaves it."""
         trainer = self.trainer
-        loops = copy.deepcopy(trainer.fit_loop.state_dict())
+        loops = snapshot(trainer.fit_loop.state_dict())
         step = loops[STEP_PROGRESS]["optimizer"]["step"]
         for part in ("total", "current"):  # the loop counts the step completed right after this returns
             step[part]["completed"] += 1
@@ -120,8 +137,8 @@ class Book:
         self.committed = {
             "loops": loops,
             "hyper": self._hyperparameters(),
-            "callbacks": {cb.state_key: copy.deepcopy(cb.state_dict()) for cb in trainer.callbacks if cb.state_dict()},
-            "datamodule": copy.deepcopy(trainer.datamodule.state_dict()) if trainer.datamodule is not None else {},
+            "callbacks": {cb.state_key: snapshot(cb.state_dict()) for cb in trainer.callbacks if cb.state_dict()},
+            "datamodule": snapshot(trainer.datamodule.state_dict()) if trainer.datamodule is not None else {},
             "should_stop": bool(trainer.should_stop),
             "first_loop_iter": connector._first_loop_iter,
             "current_fx": connector._current_fx,
@@ -135,8 +152,8 @@ class Book:
         batch steps the schedulers, and does it again after a restore (what the job keeps of them is live, and a
         fault after that step would step them twice)."""
         groups = self.strategy.optimizers[0].param_groups
-        return {"groups": [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups],
-                "schedulers": [copy.deepcopy(c.scheduler.state_dict()) for c in self.trainer.lr_scheduler_configs]}
+        return {"groups": [{k: snapshot(v) for k, v in g.items() if k != "params"} for g in groups],
+                "schedulers": [snapshot(c.scheduler.state_dict()) for c in self.trainer.lr_scheduler_configs]}
 
     def _put_back_hyperparameters(self, saved: dict) -> None:
         for group, values in zip(self.strategy.optimizers[0].param_groups, saved["groups"]):
