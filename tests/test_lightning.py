@@ -63,6 +63,17 @@ def test_gradient_accumulation_with_a_schedule_stepped_per_update(tmp_path):
     assert "at step 7, after its first training forward" in proc.stdout and "right after step 8" in proc.stdout
 
 
+@pytest.mark.parametrize("case, cause", [("manual", "manual optimization"), ("stream", "has no length")])
+def test_what_the_strategy_cannot_run_live_ends_at_once_naming_the_cause(tmp_path, case, cause):
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "0",
+                           "--recovery-path", str(tmp_path / "recovery"), str(REPO / "tests" / "jobs" / "lightning_refused.py"),
+                           "--case", case], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    verdict = next(line for line in proc.stderr.splitlines() if line.startswith("trainguard: worker"))
+    assert "ConfigError" in verdict and cause in verdict, verdict
+    assert "restarting worker" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.skipif(not OLDEST.is_dir(), reason="scripts/setup.sh installs the oldest accepted Lightning there")
 def test_the_oldest_lightning_the_extra_accepts(tmp_path):
     oldest = {"PYTHONPATH": os.pathsep.join(filter(None, [str(OLDEST), os.environ.get("PYTHONPATH", "")]))}

@@ -27,9 +27,9 @@ SIGTERM is trainguard's graceful stop (a dying gasp at the next commit, which th
 Lightning's, which would end the job without one. Supported: automatic optimization with one optimizer, data
 parallelism on CPU or GPU, gradient accumulation, LR schedulers by step or by epoch, validation, callbacks with
 `state_dict()`, values and torchmetrics objects given to `self.log`, loggers. Not covered (a ConfigError at the
-start): manual optimization, several optimizers; not covered silently: state a LightningModule keeps outside its
-parameters, buffers and logged metrics (register it with `trainguard.register_state`), a training loader without a
-length, FSDP and Lightning's model-parallel strategy.
+start): manual optimization, several optimizers, a training loader without a length; not covered silently: state a
+LightningModule keeps outside its parameters, buffers and logged metrics (register it with
+`trainguard.register_state`); not built: FSDP and Lightning's model-parallel strategy.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from ..errors import ConfigError
-from ..train.data import loaders
+from ..train.data import loaders, passes
 from ..train.data.replayed import PassStarts, ReplayedLoader
 from ..train.engine import guard as guard_mod
 from ..train.engine.guard import Optimizer, register_state
@@ -192,6 +192,11 @@ class Strategy(DDPStrategy):
         # (the training loader may be made before setup(): `estimated_stepping_batches` in configure_optimizers)
         loader = ReplayedLoader(dataloader, self.loader_starts)
         if trainer.state.stage == RunningStage.TRAINING:
+            if passes.pass_length(dataloader) is None:
+                raise ConfigError("the training loader has no length (an IterableDataset without __len__): Lightning then "
+                                  "fetches a batch ahead to find the epoch's last, and the committed batch cannot be "
+                                  "placed. Give the dataset a __len__ (the batches an epoch), or train it with "
+                                  "trainguard's wrappers (docs/porting.md)")
             self.train_loader = loader
             self._committed_epoch()
         return loader
