@@ -33,11 +33,20 @@ def stamps(folder: Path) -> list[float]:
     return [float(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def _end(proc: subprocess.Popen) -> None:
+def _end(proc: subprocess.Popen, folder: Path) -> None:
+    """The launcher and everything it started: its session, and any process whose command line names the run's
+    folder (workers torchrun restarted in sessions of their own, left behind when it is killed)."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the launcher and everything it started
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(folder).encode() in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
 
 
 def one(make, at: int) -> float | str:
@@ -60,11 +69,11 @@ def one(make, at: int) -> float | str:
         try:
             err = proc.communicate(timeout=HANG_S)[1]
         except subprocess.TimeoutExpired:
-            _end(proc)
-            proc.communicate()
+            _end(proc, folder)
+            proc.wait()
             after = [t for t in stamps(folder) if t > killed]
             return after[0] - killed if after else f"no step within {HANG_S} s of the kill (still running: killed)"
-        _end(proc)  # a launcher that exited can leave workers behind (torchrun's restarted ones did): end them
+        _end(proc, folder)  # a launcher that exited can leave workers behind (torchrun's restarted ones did)
         after = [t for t in stamps(folder) if t > killed]
         if not after:
             last = [ln for ln in err.splitlines() if "Error" in ln or "error" in ln][-1:]
