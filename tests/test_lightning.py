@@ -63,6 +63,20 @@ def test_gradient_accumulation_with_a_schedule_stepped_per_update(tmp_path):
     assert "at step 7, after its first training forward" in proc.stdout and "right after step 8" in proc.stdout
 
 
+def test_a_job_started_from_lightnings_own_checkpoint(tmp_path):
+    """The job's first run resumes from Lightning's checkpoint of a first epoch (`ckpt_path`): Lightning sets its
+    sampler's epoch after making the pass, and the pass is decided at its first batch, so a fault goes back to it."""
+    first = tmp_path / "first"
+    first.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", str(WORKERS), "--hot-spares", "0",
+                           "--recovery-path", str(first / "recovery"), str(PORT), "--devices", str(WORKERS),
+                           "--epochs", "1", "--out", str(first / "out")], cwd=first, env=env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = first / "out" / "checkpoints" / "last.ckpt"
+    verify(tmp_path / "verify", "mid-step", "--ckpt_path", str(ckpt), "--epochs", "3")
+
+
 @pytest.mark.parametrize("case, cause", [("manual", "manual optimization"), ("stream", "has no length")])
 def test_what_the_strategy_cannot_run_live_ends_at_once_naming_the_cause(tmp_path, case, cause):
     proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "0",

@@ -190,7 +190,7 @@ class Strategy(DDPStrategy):
         if isinstance(dataloader, ReplayedLoader) or trainer.state.fn != TrainerFn.FITTING:
             return dataloader
         # (the training loader may be made before setup(): `estimated_stepping_batches` in configure_optimizers)
-        loader = ReplayedLoader(dataloader, self.loader_starts)
+        loader = ReplayedLoader(dataloader, self.loader_starts, defer=True)  # Lightning sets the epoch after iter()
         if trainer.state.stage == RunningStage.TRAINING:
             if passes.pass_length(dataloader) is None:
                 raise ConfigError("the training loader has no length (an IterableDataset without __len__): Lightning then "

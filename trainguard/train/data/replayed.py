@@ -69,31 +69,32 @@ class ReplayedLoader(Resumable):
 
     replays_pass = True  # loaders.replays: resumed by reading the pass again
 
-    def __init__(self, inner, starts: PassStarts) -> None:
+    def __init__(self, inner, starts: PassStarts, *, defer: bool = False) -> None:
         self.inner = inner
+        self.defer = defer  # each pass is decided at its first batch (Lightning makes its iterator before set_epoch)
         self.starts = starts
         self.tg_index = rewind_mod.next_loader_index()
         self.last_replayed = None  # the last batch its pass was read again up to, after a restore
-        self.deferred: _Deferred | None = None  # its pass made before training started, if not begun yet
+        self.deferred: _Deferred | None = None  # its last pass decided at its first batch
         starts.add(self.tg_index, inner)
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getattr__(self, name: str):  # anything else is the framework loader's (batch_size, dataset, set_epoch...)
-        if name in ("inner", "starts", "tg_index", "last_replayed", "deferred"):
+        if name in ("inner", "starts", "tg_index", "last_replayed", "deferred", "defer"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
     def __iter__(self):
-        if guard_mod.active() is None:  # made before the optimizer is wrapped (Lightning sizes its training loader in
-            self.deferred = _Deferred(self)  # configure_optimizers): which pass it is, is decided at its first batch
-            return self.deferred
+        if self.defer or guard_mod.active() is None:  # or made before the optimizer is wrapped (Lightning sizes its
+            self.deferred = _Deferred(self)  # training loader in configure_optimizers): the pass is decided at its
+            return self.deferred  # first batch, with the sampler's epoch as it is then
         return loaders.guarded_iter(self)
 
     def begin_pass(self) -> None:
-        """A pass made before training started is made now (a restored training loader reads it again up to the
-        committed batch here), not at its first batch."""
+        """The pass last asked for and not begun yet is made now, not at its first batch (a restored training loader
+        reads it again up to the committed batch here)."""
         if self.deferred is not None:
             self.deferred.start()
 
@@ -114,7 +115,7 @@ class ReplayedLoader(Resumable):
 
 
 class _Deferred:
-    """A pass made before training started: `loaders.guarded_iter` at its first batch, when the guard exists."""
+    """A pass decided at its first batch: `loaders.guarded_iter` then (the guard exists, the sampler's epoch is set)."""
 
     def __init__(self, loader: ReplayedLoader) -> None:
         self.loader, self.it = loader, None
