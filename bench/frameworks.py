@@ -1,5 +1,6 @@
-"""The framework scripts the framework benchmarks compare (Accelerate, the transformers Trainer, Lightning): each plain script (run under torchrun) and its port (run
-under `trainguard run`), with the arguments both take. `out` is a folder of the run's own."""
+"""The framework scripts the framework benchmarks compare (Accelerate, the transformers Trainer, Lightning): each
+plain script (run under torchrun) and its port (run under `trainguard run`), with the arguments both take.
+`out` is a folder of the run's own."""
 
 from __future__ import annotations
 

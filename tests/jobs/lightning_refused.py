@@ -43,7 +43,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--case", choices=["manual", "stream"], required=True)
 case = parser.parse_args().case
 g = torch.Generator().manual_seed(0)
-data = Stream() if case == "stream" else TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 2, (64,), generator=g))
+data = Stream() if case == "stream" else TensorDataset(torch.randn(64, 8, generator=g),
+                                                       torch.randint(0, 2, (64,), generator=g))
 trainer = L.Trainer(accelerator="cpu", strategy=trainguard.compat.lightning.Strategy(), max_epochs=1, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(Model(case == "manual"), DataLoader(data, batch_size=8))

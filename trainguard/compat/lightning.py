@@ -71,7 +71,7 @@ def _env_int(name: str, default: int | None = None) -> int:
 
 
 class JobEnvironment(ClusterEnvironment):
-    """The processes of a `trainguard run` job, as Lightning asks for them: started by trainguard, never by Lightning."""
+    """The processes of a `trainguard run` job, as Lightning asks for them: started by trainguard, not by Lightning."""
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -193,9 +193,9 @@ class Strategy(DDPStrategy):
         loader = ReplayedLoader(dataloader, self.loader_starts, defer=True)  # Lightning sets the epoch after iter()
         if trainer.state.stage == RunningStage.TRAINING:
             if passes.pass_length(dataloader) is None:
-                raise ConfigError("the training loader has no length (an IterableDataset without __len__): Lightning then "
-                                  "fetches a batch ahead to find the epoch's last, and the committed batch cannot be "
-                                  "placed. Give the dataset a __len__ (the batches an epoch), or train it with "
+                raise ConfigError("the training loader has no length (an IterableDataset without __len__): Lightning "
+                                  "then fetches a batch ahead to find the epoch's last, and the committed batch cannot "
+                                  "be placed. Give the dataset a __len__ (the batches an epoch), or train it with "
                                   "trainguard's wrappers (docs/porting.md)")
             self.train_loader = loader
             self._committed_epoch()
@@ -228,7 +228,8 @@ class Strategy(DDPStrategy):
 
     def training_step(self, *args, **kwargs):
         out = super().training_step(*args, **kwargs)
-        self.step_extra = {k: v for k, v in out.items() if k not in ("loss", "hiddens")} if isinstance(out, dict) else {}
+        extra = out.items() if isinstance(out, dict) else ()
+        self.step_extra = {k: v for k, v in extra if k not in ("loss", "hiddens")}
         return out
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:

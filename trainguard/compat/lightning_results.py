@@ -80,7 +80,8 @@ def results_state(results) -> list:
         else:  # a torchmetrics Metric, logged as an object
             if meta.metric_attribute is None:
                 raise ConfigError(f"self.log({meta.name!r}, <a torchmetrics Metric>) that is not an attribute of the "
-                                  "LightningModule: make it one (self.{name} = Metric(...)), so that its state is found")
+                                  "LightningModule: make it one (self.accuracy = Accuracy(...)), so that its state is "
+                                  "found")
             entry["metric"] = _metric_state(metric.value)
         out.append(entry)
     return out

@@ -5,8 +5,9 @@ its loops' progress (epochs, batches, optimizer steps, scheduler steps, validati
 `state_dict()`s, the datamodule's, the optimizer's hyperparameters and the LR schedulers' states before the
 schedulers step, `trainer.should_stop`, and where the logger connector is in the epoch. Per rank, and gathered from
 every rank inside the step (compat/lightning_ranks.py: one asynchronous all-gather of a few numbers, started before
-the backward and finished before the update, so it is the step's own exchange): the values `self.log` has accumulated in the epoch, the logged and
-callback metrics, and the step's output (what `on_train_batch_end` receives). A replacement needs its own of those.
+the backward and finished before the update, so it is the step's own exchange): the values `self.log` has
+accumulated in the epoch, the logged and callback metrics, and the step's output (what `on_train_batch_end`
+receives). A replacement needs its own of those.
 
 The run after a restore enters Lightning's loops at the committed update, as if it came back from
 `optimizer.step()`: the first epoch's start is not run again (`on_train_epoch_start` ran before the update), and
@@ -232,7 +233,7 @@ class Book:
         """The committed batch's work after its update, as `_TrainingEpochLoop.advance` does it, then the epoch's
         batches from the next one on (`_TrainingEpochLoop.run` without its reset)."""
         trainer, loop = self.trainer, self.trainer.fit_loop.epoch_loop
-        saved, self.restored = self.restored, None
+        self.restored = None
         data_fetcher.fetched += loop.batch_progress.current.ready
         batch = self.strategy.replayed_batch()
         batch = trainer.precision_plugin.convert_input(batch)
@@ -264,4 +265,3 @@ class Book:
                 break
             finally:
                 done()
-        del saved
