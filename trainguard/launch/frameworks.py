@@ -2,8 +2,9 @@
 script loaded.
 
 PyTorch Lightning's Trainer (without trainguard's strategy, compat/lightning.py) and Fabric set up their own
-processes, devices and process group from what they see: under `trainguard run` a plain Lightning script fails inside Lightning (`IndexError` in `DDPStrategy.root_device`,
-since it sees LOCAL_RANK=1 and one CPU device), the same way on every restart. A worker whose script fails with
+processes, devices and process group from what they see: under `trainguard run` a plain Lightning script fails
+inside Lightning (`IndexError` in `DDPStrategy.root_device`, since it sees LOCAL_RANK=1 and one CPU device), the
+same way on every restart. A worker whose script fails with
 such a framework loaded ends the job at once with a message that names it and what to do instead
 (launch/worker_main.py), rather than restarting it into a crash loop. Decided by the modules loaded, never by
 the error's text.

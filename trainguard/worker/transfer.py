@@ -111,21 +111,23 @@ def broadcast_module(module: torch.nn.Module, src: int, group: dist.ProcessGroup
 
 
 class FloatGather:
-    """Every rank's float64 vector (the same length on every rank), gathered by an all-gather started now and finished
-    by `finish()`: a small exchange started after the step's backward rides behind its gradient exchange instead of
-    waiting for the other ranks on its own. A failure comes out of `finish()` typed."""
+    """Every rank's vector (the same length on every rank), gathered by an all-gather started now and finished by
+    `finish()`: a small exchange started before a step's backward travels with its gradient exchange instead of
+    waiting for the other ranks on its own. On the group's device (NCCL's are CUDA); `finish()` gives it back on the
+    CPU, and a failure comes out of it typed."""
 
     def __init__(self, mine: torch.Tensor, group: dist.ProcessGroup) -> None:
         world = dist.get_world_size(group)
+        mine = mine.to(_device(group))
         self.shape = (world, mine.numel())
         self.out = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
         self.work = _start_gather(self.out, mine, group)
 
     @_typed
     def finish(self) -> torch.Tensor:
-        """[world, n]: row r is rank r's vector."""
+        """[world, n] on the CPU: row r is rank r's vector."""
         self.work.wait()
-        return self.out.view(self.shape)
+        return self.out.view(self.shape).cpu()
 
 
 @_typed
