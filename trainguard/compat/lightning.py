@@ -44,6 +44,8 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from ..errors import ConfigError
 from ..train.data import loaders, passes
@@ -145,9 +147,7 @@ class Strategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    def set_world_ranks(self) -> None:
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-        from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+    def set_world_ranks(self) -> None:  # the ranks are the job's: only Lightning's rank-zero helpers learn them
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
