@@ -26,37 +26,43 @@ def _reduce_name(meta) -> str:
                       "min and sum")
 
 
-def _cpu(value):
+def on_cpu(value):
+    """Tensors (in dicts, lists, tuples) detached and copied to the CPU: plain data to keep."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
-    if isinstance(value, list):  # a metric state reduced by concatenation
-        return [_cpu(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [on_cpu(v) for v in value]
     return value
 
 
-def _on(value, device):
+def on_device(value, device):
+    """`on_cpu`'s data with its tensors moved to `device`."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
     if isinstance(value, list):
-        return [_on(v, device) for v in value]
+        return [on_device(v, device) for v in value]
     return value
 
 
 def _metric_state(metric) -> dict:
     """A torchmetrics Metric's accumulated state (its `add_state` tensors), update count and last step's value."""
-    out = {"states": {name: _cpu(value) for name, value in metric.metric_state.items()},
+    out = {"states": {name: on_cpu(value) for name, value in metric.metric_state.items()},
            "updates": int(metric._update_count)}
     if isinstance(metric._forward_cache, torch.Tensor):
-        out["forward_cache"] = _cpu(metric._forward_cache)
+        out["forward_cache"] = on_cpu(metric._forward_cache)
     return out
 
 
 def _put_metric_state(metric, saved: dict, device) -> None:
     for name, value in saved["states"].items():
-        setattr(metric, name, _on(value, device))
+        setattr(metric, name, on_device(value, device))
     metric._update_count = saved["updates"]
     metric._computed = None
-    metric._forward_cache = _on(saved["forward_cache"], device) if "forward_cache" in saved else None
+    metric._forward_cache = on_device(saved["forward_cache"], device) if "forward_cache" in saved else None
 
 
 def results_state(results) -> list:
@@ -71,11 +77,11 @@ def results_state(results) -> list:
                  "sync": bool(sync.should), "rank_zero_only": bool(sync.rank_zero_only),
                  "has_reset": bool(metric.has_reset), "updates": int(getattr(metric, "_update_count", 0))}
         if metric.is_tensor:
-            tensors = {"value": _cpu(metric.value)}
+            tensors = {"value": on_cpu(metric.value)}
             if meta.is_mean_reduction:
-                tensors["cumulated_batch_size"] = _cpu(metric.cumulated_batch_size)
+                tensors["cumulated_batch_size"] = on_cpu(metric.cumulated_batch_size)
             if isinstance(metric._forward_cache, torch.Tensor):
-                tensors["forward_cache"] = _cpu(metric._forward_cache)
+                tensors["forward_cache"] = on_cpu(metric._forward_cache)
             entry["tensors"] = tensors
         else:  # a torchmetrics Metric, logged as an object
             if meta.metric_attribute is None:

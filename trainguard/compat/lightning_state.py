@@ -32,7 +32,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.logger_connector impo
 from ..errors import ConfigError
 from ..train.data import loaders
 from .lightning_ranks import RankParts, rank_part
-from .lightning_results import load_results, results_state
+from .lightning_results import load_results, on_cpu, on_device, results_state
 
 OLDEST = "2.4"
 # Lightning's names used beyond its public API (its instance attributes, which cannot be checked before a Trainer
@@ -72,27 +72,6 @@ def snapshot(value):
     return copy.deepcopy(value)
 
 
-def _plain(value):
-    """A step output's values as plain data: tensors detached on the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _on(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _on(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_on(v, device) for v in value]
-    return value
-
-
 # --- the book ------------------------------------------------------------------------------------------------------
 
 class Book:
@@ -116,10 +95,10 @@ class Book:
         output = {"loss": loss.detach().clone(), **extra} if loss is not None else {}  # Lightning's step output
         connector = self.trainer._logger_connector
         self.parts.start({"results": results_state(self.trainer._results),
-                          "callback_metrics": _plain(dict(connector._callback_metrics)),
-                          "logged_metrics": _plain(dict(connector._logged_metrics)),
-                          "progress_bar_metrics": _plain(dict(connector._progress_bar_metrics)),
-                          "output": _plain(output)})
+                          "callback_metrics": on_cpu(dict(connector._callback_metrics)),
+                          "logged_metrics": on_cpu(dict(connector._logged_metrics)),
+                          "progress_bar_metrics": on_cpu(dict(connector._progress_bar_metrics)),
+                          "output": on_cpu(output)})
 
     def _gathered(self) -> None:
         """Right before the update (an optimizer pre-hook, after trainguard's): every rank's part."""
@@ -224,10 +203,10 @@ class Book:
         for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
             target = getattr(connector, f"_{name}")
             target.clear()
-            target.update(_on(mine[name], device))
+            target.update(on_device(mine[name], device))
         connector._first_loop_iter = saved["first_loop_iter"]
         connector._current_fx = saved["current_fx"]
-        self.output = _on(mine["output"], device)
+        self.output = on_device(mine["output"], device)
 
     def _finish_committed_batch(self, data_fetcher) -> None:
         """The committed batch's work after its update, as `_TrainingEpochLoop.advance` does it, then the epoch's
