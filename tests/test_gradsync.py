@@ -92,3 +92,69 @@ def test_three_ranks_get_the_mean_in_views_of_the_buckets(tmp_path):
                 assert torch.allclose(a, e, atol=1e-6)  # the mean
                 if mode != "accumulate":  # the same sums in the same layout: the same bits on every rank
                     assert torch.equal(a, b)
+
+
+# --- what rides in the exchange: rank 0's buffers and every rank's numbers, on 3 real processes (gloo) -----------
+
+
+def _riders(rank: int, world: int, init: str, out: str, dtype_name: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainguard.train.parallel.gradsync import GradSync
+    from trainguard.train.parallel.riders import RankRows
+    from trainguard.train.state.buffers import BufferShare
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).to(dtype)
+    half = torch.tensor([1.5, -0.0, 65504.0], dtype=torch.float16)  # a buffer of another dtype
+    model.register_buffer("extra", half)
+    buffers = [model[1].running_mean, model[1].running_var, model[1].num_batches_tracked, model.extra]
+    sync = GradSync(model)
+    sync.share = BufferShare(buffers)
+    rows = RankRows(6)
+    sync.attach(dist.group.WORLD)
+    sync.ride(rows)  # after the attach: the tail is laid out again
+    torch.manual_seed(1 + rank)
+    with torch.no_grad():  # every rank's buffers differ; rank 0's win
+        for b in buffers:
+            b.copy_((torch.randn(b.shape) * 1e4).to(b.dtype) if b.is_floating_point() else torch.tensor(2 ** 40 + rank))
+    mine = torch.tensor([rank, -1.0 / 3, float("inf"), -0.0, 2.0 ** 60 + rank, 1e-310], dtype=torch.float64)
+    rows.send(mine)
+    model(torch.randn(4, 6, dtype=dtype)).sum().backward()
+    sync.result()
+    torch.save({"riding": (sync.share.riding, rows.riding), "rows": rows.rows, "mine": mine,
+                "buffers": [b.clone() for b in buffers], "grads": [p.grad.clone() for p in model.parameters()]},
+               f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_buffers_and_rank_rows_ride_in_the_last_bucket_bit_for_bit(tmp_path):
+    """Rank 0's buffers (float32, an int64 counter past 2**24, float16 with -0.0 and its largest value) reach every rank
+    bit for bit, and every rank's float64 numbers (infinities, a subnormal, integers past 2**53) reach every rank in
+    its row, riding in a float32 bucket and in a float64 one; in a bfloat16 bucket nothing rides (the share goes on
+    its own, the rows are left to their owner) and the buffers still arrive."""
+    import torch
+    import torch.multiprocessing as mp
+
+    world = 3
+    for dtype in ("float32", "float64", "bfloat16"):
+        mp.start_processes(_riders, args=(world, f"file://{tmp_path}/store-{dtype}", str(tmp_path), dtype),
+                           nprocs=world, start_method="spawn")
+        got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+        rides = dtype != "bfloat16"
+        for r in range(world):
+            assert got[r]["riding"] == (rides, rides)
+            for mine, zero in zip(got[r]["buffers"], got[0]["buffers"]):
+                assert mine.dtype == zero.dtype and torch.equal(mine.reshape(-1).view(torch.uint8), zero.reshape(-1).view(torch.uint8))
+            for a, b in zip(got[r]["grads"], got[0]["grads"]):
+                assert torch.equal(a, b)
+            if rides:
+                expected = torch.stack([got[k]["mine"] for k in range(world)])
+                assert torch.equal(got[r]["rows"].view(torch.int64), expected.view(torch.int64))
+            else:
+                assert got[r]["rows"] is None
+        assert got[0]["buffers"][2].item() == 2 ** 40 + 1  # rank 0's, counted once more by the forward

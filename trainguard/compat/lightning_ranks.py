@@ -2,12 +2,14 @@
 inside each step without a wait of its own.
 
 A replacement needs its own part, so every rank holds every rank's. The parts are a few numbers laid out the same
-way on every rank (the same keys, the same metadata): the numbers travel in one asynchronous all-gather of a float64
-vector, started after the step's backward and finished right before its update (an optimizer pre-hook, after
-trainguard's own: a failure there skips the update, as a failed gradient exchange does), and the layout is checked by
-a digest sent with them. A part whose layout differs between ranks, whose numbers a float64 cannot hold, or that
-outgrows the vector, is sent whole instead (two more collectives, synchronous, on every rank together: each rank
-decides from the same gathered headers), and the vector grows for the next step.
+way on every rank (the same keys, the same metadata): the numbers travel as a float64 vector of a fixed capacity
+riding in the step's gradient exchange (train/parallel/riders.py: no collective of their own), set before the backward
+and read right before the update (an optimizer pre-hook, after trainguard's own: a failure there skips the update, as
+a failed gradient exchange does), and the layout is checked by a digest sent with them. Where nothing can ride (a
+bf16 model's last bucket, no exchange in the step) the vector goes in an all-gather of its own, whose capacity grows
+as needed. A part whose layout differs between ranks, whose numbers a float64 cannot hold, or that outgrows the vector,
+is sent whole instead (two more collectives, synchronous, on every rank together: each rank decides from the same
+gathered headers).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import torch.distributed as dist
 
 from ..checkpoint.blob import pack, unpack
 from ..checkpoint.codec import flatten_state, unflatten_state
+from ..train.parallel.riders import RankRows
 from ..worker.transfer import FloatGather, all_gather_bytes
 
-FIRST_CAPACITY = 64  # float64 slots a rank sends: a digest, a count, the numbers
+FIRST_CAPACITY = 64  # float64 slots a rank sends in a gather of its own: a digest, a count, the numbers
+RIDING_CAPACITY = 256  # the same, riding in the gradient exchange: fixed, since it sets the exchange's length
 _EXACT = 2.0 ** 53  # integers a float64 holds exactly
 
 
@@ -45,9 +49,14 @@ def _layout(tensors: dict, meta: dict) -> str:
 
 
 class RankParts:
-    def __init__(self) -> None:
+    """`model`: the trainguard `DataParallel` whose gradient exchange the parts ride in; None: no riding."""
+
+    def __init__(self, model=None) -> None:
         self.capacity = FIRST_CAPACITY
-        self.pending: tuple | None = None  # (part, layout, count, gather) of the step under way
+        self.rows = RankRows(RIDING_CAPACITY) if model is not None else None
+        if self.rows is not None:
+            model.ride(self.rows)
+        self.pending: tuple | None = None  # (part, layout, count, this rank's vector, gather) of the step under way
 
     def start(self, part: dict) -> None:
         """This rank's part, sent to every rank (the gather finishes in `finish()`)."""
@@ -56,24 +65,34 @@ class RankParts:
         flat = [t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors.values()]
         numbers = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
         count = numbers.numel() if all(_exact(t) for t in tensors.values()) else -1
-        mine = torch.zeros(self.capacity, dtype=torch.float64)
+        riding = self.rows is not None and self.rows.riding
+        mine = torch.zeros(self.rows.capacity if riding else self.capacity, dtype=torch.float64)
         mine[0], mine[1] = _digest(layout), count
-        if 0 <= count <= self.capacity - 2:
+        if 0 <= count <= mine.numel() - 2:
             mine[2:2 + count] = numbers
-        self.pending = (part, layout, count, FloatGather(mine, dist.group.WORLD))
+        if riding:
+            self.rows.send(mine)
+            self.pending = (part, layout, count, mine, None)
+        else:
+            self.pending = (part, layout, count, mine, FloatGather(mine, dist.group.WORLD))
 
     def finish(self) -> dict | None:
         """Every rank's part: {"layout", "values" [world, n]}, or {"packed": every rank's part as a blob}."""
         if self.pending is None:
             return None
-        part, layout, count, gather = self.pending
+        part, layout, count, mine, gather = self.pending
         self.pending = None
-        rows = gather.finish()
+        if gather is None:
+            rows = self.rows.rows
+            if rows is None:  # no exchange carried it (no backward this step): on its own
+                rows = FloatGather(mine, dist.group.WORLD).finish()
+        else:
+            rows = gather.finish()
         counts = rows[:, 1]
-        if bool((rows[:, 0] == rows[0, 0]).all()) and bool((counts == count).all()) and 0 <= count <= self.capacity - 2:
+        if bool((rows[:, 0] == rows[0, 0]).all()) and bool((counts == count).all()) and 0 <= count <= mine.numel() - 2:
             return {"layout": layout, "values": rows[:, 2:2 + count].clone()}
         needed = int(counts.max().item()) + 2
-        if needed > self.capacity:  # every rank sees the same rows: the vector grows the same everywhere
+        if gather is not None and needed > self.capacity:  # every rank sees the same rows: it grows the same everywhere
             self.capacity = 1 << math.ceil(math.log2(needed))
         return {"packed": all_gather_bytes(pack(part), dist.group.WORLD)}
 

@@ -31,6 +31,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.logger_connector impo
 
 from ..errors import ConfigError
 from ..train.data import loaders
+from ..train.parallel.ddp import DataParallel
 from .lightning_ranks import RankParts, rank_part
 from .lightning_results import load_results, on_cpu, on_device, results_state
 
@@ -79,7 +80,7 @@ class Book:
 
     def __init__(self, trainer, strategy) -> None:
         self.trainer, self.strategy = trainer, strategy
-        self.parts = RankParts()
+        self.parts = RankParts(strategy.model if isinstance(strategy.model, DataParallel) else None)
         self.ranks: dict | None = None  # every rank's part, gathered inside the step being taken
         self.committed: dict | None = None
         self.restored: dict | None = None

@@ -91,6 +91,10 @@ class DataParallel(nn.Module):
         self.drop()
         self.sync.close()
 
+    def ride(self, rider) -> None:
+        """`rider` rides in every gradient exchange from the next backward on (train/parallel/riders.py)."""
+        self.sync.ride(rider)
+
     def no_sync(self):
         """As DDP's: gradients accumulate locally until the next backward outside the block."""
         return self.sync.no_sync()

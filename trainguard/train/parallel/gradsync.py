@@ -36,13 +36,16 @@ block over glibc's 32 MB maximum would change nothing, so it is capped just belo
 20 MB of gradients, 500-2000 page faults a step with a 32 MB block, 0 with the cap); other
 allocators ignore the hint. `bench/overhead.py` prints page faults per step.
 
-Buffers. Rank 0's buffers (BatchNorm statistics) ride with the last bucket (train/state/buffers.py), so
-a committed step leaves every rank with the same buffers and no forward broadcasts them.
-
 Control slots. The last bucket (if float32 or float64; otherwise one small extra buffer) carries
 `world_size` more elements: rank r writes its control value (the stop vote: a signal number or 0)
 into slot r and zeros elsewhere. The sum hands every rank every rank's value at no extra
 collective; integers below 2**24 add exactly.
+
+Riders. After the control slots, the same bucket carries the riders (train/parallel/riders.py): rank
+0's buffers (BatchNorm statistics, train/state/buffers.py), so a committed step leaves every rank
+with the same buffers and no forward broadcasts them, and any other small exchange a step needs
+(`riders`: Lightning's logged values). The tail's length is fixed by the model, the world size and
+the riders' capacities, so the gradients' summation order never depends on a step's contents.
 
 Virtual ranks (not built). The sum is over physical ranks, so a run stays bit-identical only at
 the same world size. Defining it over a fixed number V of data shards instead (each rank reducing
@@ -124,8 +127,10 @@ class GradSync:
         self.controls: list[int] = []  # every rank's control value from the last completed exchange
         self.error: CollectiveFailed | None = None
         self.share = None  # a BufferShare (train/state/buffers.py): rank 0's buffers ride with the last bucket
+        self.riders: list = []  # more riders (riders.py), after the share
         self.enabled = True  # False inside no_sync()
         self._control: torch.Tensor | None = None  # the extra buffer, when the last bucket cannot carry slots
+        self._rides: list[tuple] = []  # (rider, start, end) in the last bucket's tail, after the control slots
         self._works: list = []
         self._launched = 0
         self._in_pass = False
@@ -139,17 +144,34 @@ class GradSync:
 
     def attach(self, group: dist.ProcessGroup) -> None:
         self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self._lay_out()
+        self._reset()
+
+    def _lay_out(self) -> None:
+        """The buckets' buffers; the last one's tail: the control slots, then what rides (see the docstring)."""
         last = self.buckets[-1] if self.buckets else None
         carries = last is not None and last.dtype in CONTROL_DTYPES
+        self._rides, at = [], self.world
+        for rider in ([self.share] if self.share else []) + self.riders:
+            n = rider.slots(last.dtype, last.device, self.world) if carries else None
+            rider.riding = n is not None
+            if n is not None:
+                self._rides.append((rider, at, at + n))
+                at += n
         for b in self.buckets:
-            extra = self.world if b is last and carries else 0
+            extra = at if b is last and carries else 0
             if b.buffer is None or b.buffer.numel() != b.size + extra:
                 b.buffer = torch.zeros(b.size + extra, dtype=b.dtype, device=b.device)
                 b.views = [b.buffer[off:off + p.numel()].view(p.shape) for p, off in zip(b.params, b.offsets)]
                 b.grads = b.buffer[:b.size]
         device = last.device if last is not None else torch.device("cpu")
         self._control = None if carries else torch.zeros(self.world, dtype=torch.float32, device=device)
-        self._reset()
+
+    def ride(self, rider) -> None:
+        """`rider` rides in every exchange from the next backward on (riders.py)."""
+        self.riders.append(rider)
+        if self.group is not None:
+            self._lay_out()
 
     def detach(self) -> None:
         self.group = None
@@ -205,17 +227,20 @@ class GradSync:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        if b == len(self.buckets) - 1:
-            slots = bucket.buffer[bucket.size:] if self._control is None else self._control
-            slots.zero_()
-            slots[self.rank] = float(self.control())
+        last = b == len(self.buckets) - 1
+        if last:
+            tail = bucket.buffer[bucket.size:] if self._control is None else self._control
+            tail.zero_()
+            tail[self.rank] = float(self.control())
+            for rider, start, end in self._rides:
+                rider.fill(tail[start:end], self.rank)
         if self.error is not None:
             return
         try:
             self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
-            if b == len(self.buckets) - 1 and self._control is not None:
+            if last and self._control is not None:
                 self._works.append(dist.all_reduce(self._control, group=self.group, async_op=True))
-            if b == len(self.buckets) - 1 and self.share:
+            if last and self.share and not self.share.riding:
                 self._works += self.share.launch(self.rank, self.group)
         except (RuntimeError, CollectiveFailed) as exc:  # CollectiveFailed: the generation already failed
             self._fail(exc)
@@ -245,9 +270,11 @@ class GradSync:
         self._works = []
         if self.error is not None:
             return
-        slots = self.buckets[-1].buffer[self.buckets[-1].size:] if self._control is None else self._control
-        self.controls = [int(v) for v in slots.tolist()]
-        if self.share:
+        tail = self.buckets[-1].buffer[self.buckets[-1].size:] if self._control is None else self._control
+        self.controls = [int(v) for v in tail[:self.world].tolist()]
+        for rider, start, end in self._rides:
+            rider.take(tail[start:end])
+        if self.share and not self.share.riding:
             self.share.finish()
         for bucket in self.buckets:
             bucket.grads.div_(self.world)

@@ -8,9 +8,10 @@ Two things make them exact across a failure:
   another rank's: a silent difference. `BufferShare` instead hands every rank rank 0's buffers *as
   part of the step's gradient exchange*: rank 0 writes its buffers into one flat tensor per dtype
   and the others write zeros, so the all-reduce's sum is rank 0's values exactly (x + 0 is exact),
-  launched with the last gradient bucket. A committed step therefore leaves every rank with the
-  same buffers, they travel with the rest of the shared state, and no forward needs a broadcast
-  (DDP's per-forward broadcast is one collective per buffer; this is one per dtype per step).
+  in the last gradient bucket's tail (train/parallel/riders.py: a buffer of another dtype goes
+  byte by byte). A committed step therefore leaves every rank with the same buffers, they travel
+  with the rest of the shared state, and no forward needs a broadcast: no collective of their own
+  (one per dtype beside the bucket where they cannot ride: a bf16 bucket, another device).
 - **Rolled back.** A step that is skipped (its exchange failed) must leave the buffers as they were
   before its forward. `BufferGuard` keeps a copy of their committed values, refreshed at every
   commit, and puts them back on a skip.
@@ -36,18 +37,57 @@ def module_buffers(module: nn.Module) -> list[torch.Tensor]:
 
 
 class BufferShare:
-    """Rank 0's buffers to every rank, riding in the step's exchange (see the module docstring)."""
+    """Rank 0's buffers to every rank, riding in the step's exchange (see the module docstring): in the last gradient
+    bucket's tail (train/parallel/riders.py) where it can, else as one all-reduce per dtype beside it."""
 
     def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = [b for b in buffers if b.dtype not in NOT_SUMMABLE and not b.is_complex()]
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for b in buffers:
-            if b.dtype not in NOT_SUMMABLE and not b.is_complex():
-                groups.setdefault((b.dtype, b.device), []).append(b)
+        for b in self.buffers:
+            groups.setdefault((b.dtype, b.device), []).append(b)
         self.groups = [(bs, torch.zeros(sum(b.numel() for b in bs), dtype=dt, device=dev))
                        for (dt, dev), bs in groups.items()]
+        self.riding = False
+        self._own: list[torch.Tensor] = []  # riding: the buffers of the bucket's dtype, as values
+        self._bytes: list[torch.Tensor] = []  # riding: the others, byte by byte
 
     def __bool__(self) -> bool:
-        return bool(self.groups)
+        return bool(self.buffers)
+
+    # --- riding in the last bucket (train/parallel/riders.py) -------------------------------------------------
+
+    def slots(self, dtype: torch.dtype, device: torch.device, world: int) -> int | None:
+        if any(b.device != device for b in self.buffers):
+            return None
+        self._own = [b for b in self.buffers if b.dtype == dtype]
+        self._bytes = [b for b in self.buffers if b.dtype != dtype]
+        return sum(b.numel() for b in self._own) + sum(b.numel() * b.element_size() for b in self._bytes)
+
+    @torch.no_grad()
+    def fill(self, view: torch.Tensor, rank: int) -> None:
+        if rank != 0:
+            return  # the tail is zeros
+        n = sum(b.numel() for b in self._own)
+        if self._own:
+            torch.cat([b.reshape(-1) for b in self._own], out=view[:n])
+        if self._bytes:
+            view[n:].copy_(torch.cat([b.reshape(-1).view(torch.uint8) for b in self._bytes]))
+
+    @torch.no_grad()
+    def take(self, view: torch.Tensor) -> None:
+        at = 0
+        for b in self._own:
+            b.copy_(view[at:at + b.numel()].view(b.shape))
+            at += b.numel()
+        if self._bytes:
+            raw = view[at:].round().to(torch.uint8)
+            at = 0
+            for b in self._bytes:
+                n = b.numel() * b.element_size()
+                b.copy_(raw[at:at + n].clone().view(b.dtype).view(b.shape))  # clone: aligned
+                at += n
+
+    # --- beside it ----------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def launch(self, rank: int, group: dist.ProcessGroup) -> list:

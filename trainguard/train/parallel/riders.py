@@ -1,0 +1,78 @@
+"""What rides in the step's gradient exchange: small exchanges folded into its last bucket instead of collectives of
+their own.
+
+On a CPU job every collective costs about as much to launch and wait for as a small bucket (gloo wakes its threads
+and the ranks meet once more): measured with the Lightning example, two extra collectives a step were 0.3 of its
+step time. So everything a step must exchange besides its gradients goes in the last bucket's tail, after the
+gradients and the control slots (gradsync.py), when that bucket is float32 or float64:
+
+- `BufferShare` (train/state/buffers.py): rank 0's buffers, the others' zeros;
+- `RankRows`: every rank's vector of float64 numbers (Lightning's logged values, compat/lightning_ranks.py), each
+  rank writing its row and zeros elsewhere.
+
+Why the sum is exact. Each slot holds one rank's value and zeros from every other: x + 0 is x whatever the order. A
+value that is not the bucket's own dtype travels as integers small enough for it to hold exactly (a float64's bits
+in four 16-bit pieces, another buffer's bytes one by one), and integers below 2**24 add exactly.
+
+Why the gradients keep their bits. gloo's summation order depends on the buffer's length, so the tail's length is a
+function of the model, the world size and fixed capacities, never of a step's contents: the same in every run of the
+script, a replacement's included. A part that does not fit goes its own way (its owner's fallback).
+
+A rider implements `slots(dtype, device, world)` (its length in a bucket of that dtype on that device, or None if it
+cannot ride there), `fill(view, rank)` (the zeroed tail's part of this rank, before the launch) and `take(view)`
+(the summed part, after the exchange completed); gradsync sets `riding` on it at each attach.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 1 << 16  # a float64's bits travel as four pieces below this
+PIECES = 4
+
+
+def encode_float64(values: torch.Tensor) -> torch.Tensor:
+    """Float64 values as 16-bit pieces, low first, as int64 in 0..65535 (pure): four per value."""
+    bits = values.contiguous().view(torch.int64)
+    return torch.stack([(bits >> (16 * k)) & (CHUNK - 1) for k in range(PIECES)], dim=-1).reshape(*values.shape[:-1], -1)
+
+
+def decode_float64(pieces: torch.Tensor) -> torch.Tensor:
+    """The inverse of `encode_float64` (pure); `pieces` may be any dtype holding the integers exactly."""
+    p = pieces.round().to(torch.int64).reshape(*pieces.shape[:-1], -1, PIECES)
+    top = torch.where(p[..., 3] >= CHUNK // 2, p[..., 3] - CHUNK, p[..., 3])  # the sign lives in the top piece
+    bits = p[..., 0] + p[..., 1] * CHUNK + p[..., 2] * CHUNK ** 2 + top * CHUNK ** 3
+    return bits.view(torch.float64)
+
+
+class RankRows:
+    """Every rank's vector of `capacity` float64 numbers, gathered by riding in the gradient exchange: `send()` before
+    the backward, `rows` ([world, capacity] float64, or None) after it. Not riding (a bf16 model's last bucket, no
+    exchange this step), `rows` stays None and the owner gathers some other way."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.riding = False
+        self.rows: torch.Tensor | None = None
+        self._pending: torch.Tensor | None = None
+        self._world = 1
+
+    def send(self, vector: torch.Tensor) -> None:
+        """This rank's numbers (float64, `capacity` of them) for the next exchange."""
+        self._pending = encode_float64(vector.to(torch.float64).reshape(1, -1)).reshape(-1)
+        self.rows = None
+
+    def slots(self, dtype: torch.dtype, device: torch.device, world: int) -> int | None:
+        self._world = world
+        return world * self.capacity * PIECES
+
+    @torch.no_grad()
+    def fill(self, view: torch.Tensor, rank: int) -> None:
+        if self._pending is not None:
+            view.view(self._world, -1)[rank].copy_(self._pending)
+
+    @torch.no_grad()
+    def take(self, view: torch.Tensor) -> None:
+        if self._pending is not None:
+            self.rows = decode_float64(view.view(self._world, -1))
+            self._pending = None
