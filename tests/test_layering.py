@@ -26,14 +26,15 @@ PACKAGE = "trainguard"
 TORCH_FREE_PACKAGES = ("control", "launch", "obs")
 TORCH_FREE_MODULES = ("trainguard", "trainguard.config", "trainguard.errors", "trainguard.exitcodes",
                       "trainguard.signals", "trainguard.strategies", "trainguard.tlsconfig", "trainguard.files",
-                      "trainguard.meshspec", "trainguard.rewinding")
+                      "trainguard.meshspec", "trainguard.rewinding", "trainguard.frameworks")
 NEEDS_TORCH: set[str] = set()
 
 # Each layer and the layers it may import (docs/ARCHITECTURE.md draws it). "base" is the top-level
 # modules the whole package shares; "api" (trainguard/__init__.py, __main__.py) may import anything.
 # The control plane sits at the bottom, the worker runtime on it, training on both and on the
 # checkpoint formats; the launcher drives the control plane and reads checkpoints for its CLI.
-BASE = ("config", "errors", "exitcodes", "signals", "strategies", "tlsconfig", "files", "durable", "meshspec", "rewinding")
+BASE = ("config", "errors", "exitcodes", "signals", "strategies", "tlsconfig", "files", "durable", "meshspec", "rewinding",
+        "frameworks")
 LAYERS = {
     "base": set(),
     "obs": {"base"},

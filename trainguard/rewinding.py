@@ -15,13 +15,21 @@ from typing import Callable
 _handler: Callable[[BaseException], bool] | None = None
 _at_end: Callable[[], bool] | None = None
 _same_everywhere: Callable[[str], bool] | None = None
+_holding: Callable[[], bool] | None = None
 _available = False
 
 
-def set_handler(handler: Callable[[BaseException], bool] | None, at_end: Callable[[], bool] | None = None) -> None:
-    """`handler(exc)`: prepare a run after the script raised `exc`; `at_end()`: after it ended, must it run again?"""
-    global _handler, _at_end
-    _handler, _at_end = handler, at_end
+def set_handler(handler: Callable[[BaseException], bool] | None, at_end: Callable[[], bool] | None = None,
+                holding: Callable[[], bool] | None = None) -> None:
+    """`handler(exc)`: prepare a run after the script raised `exc`; `at_end()`: after it ended, must it run again?
+    `holding()`: does this run of the script hold the job's state (a trainguard wrapper started it)?"""
+    global _handler, _at_end, _holding
+    _handler, _at_end, _holding = handler, at_end, holding
+
+
+def protected() -> bool:
+    """A fault would bring this process back to its committed step: the job's state is held."""
+    return _handler is not None and _holding is not None and _holding()
 
 
 def allow() -> None:

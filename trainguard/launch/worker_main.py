@@ -50,7 +50,7 @@ from typing import NoReturn
 from .. import rewinding, signals
 from ..errors import ClusterFailed, ConfigError, Rewind
 from ..exitcodes import EXIT_CONFIG_ERROR, EXIT_FAULT_STOP
-from .frameworks import explain, unsupported_framework
+from ..frameworks import explain, unsupported_framework
 
 PGINIT, PGINIT_AFTER = "trainguard.worker.pginit", "torch.distributed.distributed_c10d"
 DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (SyntaxError, ImportError, ConfigError)

@@ -61,3 +61,28 @@ def join(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, s
 
     rt = runtime.init()
     check_request(backend, world_size, rank, job_backend=rt.backend, job_world=rt.world_size, job_rank=rt.rank)
+    watch_first_step(rt.rank)
+
+
+_watching = False
+
+
+def watch_first_step(rank: int) -> None:
+    """Rank 0 says so if the script's first optimizer step finds no trainguard state in the process
+    (frameworks.unguarded: a script that joined the job through its own init_process_group but was not ported).
+    One global optimizer hook, removed at that first step: nothing on the steps after it. Once per process."""
+    global _watching
+    if _watching:
+        return
+    _watching = True
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from .. import rewinding
+    from ..frameworks import unguarded
+
+    def first_step(optimizer, args, kwargs) -> None:
+        handle.remove()
+        if rank == 0 and not rewinding.protected():
+            print(unguarded(sys.modules), file=sys.stderr, flush=True)
+
+    handle = register_optimizer_step_pre_hook(first_step)

@@ -157,4 +157,4 @@ def _again_at_end() -> bool:
     return end_of_script is not None and end_of_script()
 
 
-rewinding.set_handler(_handle, _again_at_end)
+rewinding.set_handler(_handle, _again_at_end, lambda: _live is not None)

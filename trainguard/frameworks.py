@@ -8,6 +8,11 @@ same way on every restart. A worker whose script fails with
 such a framework loaded ends the job at once with a message that names it and what to do instead
 (launch/worker_main.py), rather than restarting it into a crash loop. Decided by the modules loaded, never by
 the error's text.
+
+A script whose optimizer steps with no trainguard state in the process (torch's own DDP and optimizer under `trainguard
+run`, or a Lightning Trainer that does not crash because its `devices` match the job) trains unprotected: nothing of
+its progress is kept, and a fault runs it again from its top. Its rank 0 says so at the first step (`unguarded`,
+worker/pginit.py), naming the port.
 """
 
 from __future__ import annotations
@@ -42,3 +47,18 @@ def explain(framework: str) -> str:
             "trainguard does not run it live yet, and a restart would fail the same way. Run it with torchrun, or "
             "train with trainguard's wrappers (docs/porting.md) or with Hugging Face Accelerate "
             "(trainguard.compat.accelerate)")
+
+
+def unguarded(modules: Container[str]) -> str:
+    """What rank 0 says when the script's optimizer first steps with no trainguard state in the process (pure)."""
+    framework = unsupported_framework(modules)
+    if framework == "PyTorch Lightning's Trainer":
+        port = "give the Trainer trainguard's strategy, `Trainer(strategy=trainguard.compat.lightning.Strategy(), ...)`"
+    elif framework is not None:
+        port = explain(framework)
+    else:
+        port = ("wrap the model and the optimizer in trainguard's (`trainguard.DDP`, `trainguard.Optimizer`; "
+                "Accelerate: `import trainguard.compat.accelerate`)")
+    return ("trainguard: WARNING: the script's optimizer stepped, but trainguard holds none of its state: this training "
+            "is not protected. A fault runs the script again from its top (from its own checkpoint, if it loads one) "
+            f"and the steps since are lost. To protect it, {port} (docs/porting.md)")
