@@ -50,6 +50,7 @@ from ..parallel.ddp import DataParallel
 from ..parallel.livecopies import LiveCopies
 from ..parallel.sharding import is_sharded, job_mesh
 from ..state import parallel_strategy
+from ..state.buffers import guard_for
 from ..state.checkpointing import DiskSources
 from ..state.shardckpt import ShardedSaver
 from ..state.streams import Streams
@@ -117,7 +118,7 @@ class Session:
         if self.live is not None and (state.optimizer is None or self.strategy.elastic):
             raise ConfigError("a sharded model (FSDP2, HSDP, DP x TP) needs its optimizer in the state, and runs at "
                               "a fixed world size: the elastic recover strategy cannot split its shards")
-        self.buffers = state.model.buffer_guard if isinstance(state.model, DataParallel) else None
+        self.buffers = guard_for(state.model, state.sharded)  # put back after a step cut short or skipped
         if self.sync is not None:
             self.sync.control = lambda: self.stop.signum  # the stop vote rides in the gradient all-reduce
             self.sync.after_launch = lambda: self.phase_point("in_exchange")

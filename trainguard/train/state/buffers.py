@@ -133,3 +133,16 @@ class BufferGuard:
         """Put back what a skipped step's forward changed."""
         if self.buffers:
             torch._foreach_copy_(self.buffers, self.copies)
+
+
+def guard_for(model, sharded: bool) -> BufferGuard | None:
+    """The committed copy of `model`'s buffers that a step cut short or skipped is put back to: a data-parallel
+    wrapper's own (`buffer_guard`); a sharded model's (FSDP2 leaves BatchNorm's statistics plain tensors, each rank's
+    own: a forward of a step that never commits moves them, and a rewind would keep that move); None otherwise."""
+    own = getattr(model, "buffer_guard", None)
+    if isinstance(own, BufferGuard):
+        return own
+    if sharded and isinstance(model, nn.Module):
+        buffers = module_buffers(model)
+        return BufferGuard(buffers) if buffers else None
+    return None
