@@ -9,8 +9,9 @@ and Lightning's bookkeeping (its loops' progress, ModelCheckpoint's state, every
 `torch.equal` to the run without a fault, and rank 0 prints the same epoch lines (their training loss is the mean of
 every rank's accumulated values, the replacement's included). Each verify run goes to step 24 (15 a epoch); two
 whole runs, with and without a kill in the last validation, end with the same checkpoint. Gradient accumulation with
-a schedule per update, a job started from Lightning's own checkpoint, what the strategy refuses, and the oldest
-Lightning the extra accepts (2.4.0) have their own tests."""
+a schedule per update, a job started from Lightning's own checkpoint, FSDP2 through Lightning's model-parallel
+strategy (`--strategy fsdp`: the port's third line), what the strategy refuses, and the oldest Lightning the extra
+accepts (2.4.0) have their own tests."""
 
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ def test_the_port_changes_at_most_five_lines():
     changed, diff = changed_lines(ORIGINAL, PORT)
     assert 0 < changed <= 5, diff
     assert not re.search(r"^(import|from) trainguard", ORIGINAL.read_text(), re.M)  # the original is plain Lightning
+
+
+def test_fsdp2_through_the_model_parallel_strategy_recovers_bit_identically_in_one_generation(tmp_path):
+    """`--strategy fsdp`: the model sharded with torch's `fully_shard` in `configure_model()`, under trainguard's
+    `ModelParallelStrategy`. A kill in a step and one right after the epoch's last step: every rank's shards, its own
+    BatchNorm statistics (FSDP2 leaves them per rank: a step cut short must not keep its forward's move), the
+    optimizer and Lightning's bookkeeping equal the run without a fault, with the same epoch lines; and each fault is
+    one recovery (the first replacement once met the survivors in another collective: torch's distributed state dict
+    steps the optimizer to make its state, which ran Lightning's per-step exchange on the survivors alone)."""
+    proc = verify(tmp_path, "mid-step,epoch-end", "--strategy", "fsdp")
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9")]
+    assert len(rows) == 2 and all(" identical" in r for r in rows), proc.stdout
+    reference = rank0_lines(tmp_path / "clean" / "launcher.log", LINE)
+    for fault in ("mid-step", "epoch-end"):
+        log = (tmp_path / fault / "launcher.log").read_text()
+        assert "recovery 1: rank 1" in log and "-> generation 2," in log and "recovery 2" not in log, log[-3000:]
+        assert rank0_lines(tmp_path / fault / "launcher.log", LINE) == reference, fault
 
 
 def test_every_fault_is_bit_identical_on_every_rank_with_the_same_epoch_lines(tmp_path):

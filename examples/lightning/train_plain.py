@@ -1,7 +1,8 @@
 """A plain PyTorch Lightning script, in the shape of Lightning's image-classifier examples: scikit-learn's digits in
 a LightningDataModule, a small CNN with BatchNorm and dropout, SGD with momentum and a StepLR stepped each epoch (or
 a OneCycleLR stepped each step), training and validation with metrics logged across ranks, gradient accumulation,
-ModelCheckpoint on the validation loss, a CSV logger and `seed_everything`.
+ModelCheckpoint on the validation loss, a CSV logger and `seed_everything`. `--strategy fsdp` shards the model with
+FSDP2 in `configure_model()` under Lightning's ModelParallelStrategy.
 
     torchrun --nproc-per-node 3 examples/lightning/train_plain.py --devices 3
 
@@ -16,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -41,7 +43,7 @@ class DigitsData(L.LightningDataModule):
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, channels: int = 16, lr: float = 0.05, schedule: str = "epoch"):
+    def __init__(self, channels: int = 16, lr: float = 0.05, schedule: str = "epoch", fsdp: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.conv1 = nn.Conv2d(1, channels, 3, padding=1)
@@ -77,6 +79,16 @@ class Classifier(L.LightningModule):
     def on_train_epoch_end(self):
         self.print(f"epoch {self.current_epoch}: train_loss {self.trainer.callback_metrics['train_loss_epoch']:.6f}")
 
+    def configure_model(self):
+        if not self.hparams.fsdp:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.conv1, self.conv2, self.fc):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, weight_decay=5e-4)
         if self.hparams.schedule == "step":
@@ -95,17 +107,22 @@ def main():
     parser.add_argument("--channels", type=int, default=16)
     parser.add_argument("--grad_accum", type=int, default=1)
     parser.add_argument("--schedule", choices=["epoch", "step"], default="epoch")
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default="lightning_out")
     parser.add_argument("--ckpt_path", default=None)
     args = parser.parse_args()
 
     L.seed_everything(args.seed)
-    model = Classifier(channels=args.channels, schedule=args.schedule)
+    model = Classifier(channels=args.channels, schedule=args.schedule, fsdp=args.strategy == "fsdp")
+    if args.strategy == "fsdp":
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    else:
+        strategy = "ddp"
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp",
+        strategy=strategy,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.grad_accum,
         callbacks=[ModelCheckpoint(dirpath=f"{args.out}/checkpoints", monitor="val_loss", save_last=True),

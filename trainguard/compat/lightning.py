@@ -6,7 +6,9 @@ runs again from the top after a fault, like any script, and `trainer.fit` resume
 - **the processes are the job's** (`JobEnvironment`): rank, world size and local rank from `trainguard run`, the
   process group trainguard's (Lightning's `init_process_group` joins it, worker/pginit.py), no processes of
   Lightning's own;
-- **the model** is wrapped in trainguard's `DDP` where Lightning would wrap it in torch's, and **the optimizer's
+- **the model** is wrapped in trainguard's `DDP` where Lightning would wrap it in torch's (with
+  `ModelParallelStrategy`, the model `configure_model()` sharded with torch's FSDP2 or tensor-parallel calls, on the
+  strategy's mesh, is the job's sharded model: train/parallel/sharding.py), and **the optimizer's
   update goes through `trainguard.Optimizer`**: Lightning keeps its own optimizer object (its checkpoints, its
   LR monitor, `configure_optimizers` see the script's), and the strategy steps it through trainguard's wrapper,
   whose step is the commit point (once per gradient-accumulation cycle, the real update). The LR schedulers
@@ -25,11 +27,11 @@ runs again from the top after a fault, like any script, and `trainer.fit` resume
 
 SIGTERM is trainguard's graceful stop (a dying gasp at the next commit, which the same command resumes from), not
 Lightning's, which would end the job without one. Supported: automatic optimization with one optimizer, data
-parallelism on CPU or GPU, gradient accumulation, LR schedulers by step or by epoch, validation, callbacks with
+parallelism on CPU or GPU, FSDP2 and tensor parallelism through `ModelParallelStrategy`, gradient accumulation, LR schedulers by step or by epoch, validation, callbacks with
 `state_dict()`, values and torchmetrics objects given to `self.log`, loggers. Not covered (a ConfigError at the
 start): manual optimization, several optimizers, a training loader without a length; not covered silently: state a
 LightningModule keeps outside its parameters, buffers and logged metrics (register it with
-`trainguard.register_state`); not built: FSDP and Lightning's model-parallel strategy.
+`trainguard.register_state`); not built: Lightning's FSDP1 strategy (`FSDPStrategy`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import lightning
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch import strategies as lightning_strategies
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -52,10 +54,11 @@ from ..train.data import loaders, passes
 from ..train.data.replayed import PassStarts, ReplayedLoader
 from ..train.engine import guard as guard_mod
 from ..train.engine.guard import Optimizer, register_state
+from ..train.parallel import sharding
 from ..train.parallel.ddp import DataParallel
 from . import lightning_state
 
-__all__ = ["Strategy", "JobEnvironment"]
+__all__ = ["Strategy", "DDPStrategy", "ModelParallelStrategy", "JobEnvironment"]
 
 if not lightning_state.supported():
     raise ConfigError(f"Lightning {lightning.__version__} lacks what trainguard.compat.lightning uses "
@@ -110,25 +113,25 @@ class JobEnvironment(ClusterEnvironment):
         return _env_int("GROUP_RANK", 0)
 
 
-class Strategy(DDPStrategy):
-    """Lightning's DDP strategy whose training survives a fault under `trainguard run`; see the module docstring.
-    Its arguments are DDPStrategy's (`find_unused_parameters`, `broadcast_buffers`, ...), less the cluster
-    environment and start method, which are the job's."""
+class _JobStrategy:
+    """What both strategies add to Lightning's: the job's processes, trainguard's optimizer step, the loaders read
+    again, Lightning's bookkeeping committed with the update; see the module docstring."""
 
     strategy_name = "trainguard"
 
-    def __init__(self, **kwargs):
+    def _join_job(self, kwargs: dict) -> dict:
         for name in ("cluster_environment", "start_method", "parallel_devices"):
             if name in kwargs:
-                raise ConfigError(f"trainguard.compat.lightning.Strategy({name}=...): the processes are the job's "
-                                  "(trainguard run --workers N); leave it out")
-        super().__init__(cluster_environment=JobEnvironment(), **kwargs)
+                raise ConfigError(f"trainguard.compat.lightning.{type(self).__name__}({name}=...): the processes are "
+                                  "the job's (trainguard run --workers N); leave it out")
         self.tg_optimizer: Optimizer | None = None
         self.loader_starts = PassStarts(lambda loader: {}, lambda loader, state: None)  # Lightning sets the epochs
         self.book: lightning_state.Book | None = None
         self.train_loader: ReplayedLoader | None = None
         self.step_extra: dict = {}  # the training step's output but its loss (what Lightning hands on with the loss)
+        self.in_update = False  # Lightning's optimizer step is under way (not a step of torch's own: DCP's state init)
         self._sigterm = None  # trainguard's SIGTERM handler, put back over Lightning's
+        return kwargs
 
     # --- the job's processes ------------------------------------------------------------------------------------
 
@@ -143,10 +146,6 @@ class Strategy(DDPStrategy):
     def num_processes(self) -> int:
         return self.world_size // max(1, self.num_nodes)
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
     def set_world_ranks(self) -> None:  # the ranks are the job's: only Lightning's rank-zero helpers learn them
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
@@ -154,10 +153,6 @@ class Strategy(DDPStrategy):
         self._launcher = None  # trainguard started the processes
 
     # --- the model, the optimizer, the loaders -----------------------------------------------------------------
-
-    def _setup_model(self, model: torch.nn.Module) -> DataParallel:
-        device_ids = self.determine_ddp_device_ids()
-        return DataParallel(model, device_ids=device_ids, **self._ddp_kwargs)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         super().setup_optimizers(trainer)
@@ -217,15 +212,6 @@ class Strategy(DDPStrategy):
                               "Lightning training loader must be the one the Trainer made (train_dataloader())")
         return batch
 
-    @contextlib.contextmanager
-    def block_backward_sync(self):
-        """Gradient accumulation: no exchange until the batch whose backward is followed by the update."""
-        if isinstance(self.model, DataParallel):
-            with self.model.no_sync():
-                yield
-        else:
-            yield
-
     def training_step(self, *args, **kwargs):
         out = super().training_step(*args, **kwargs)
         extra = out.items() if isinstance(out, dict) else ()
@@ -242,8 +228,12 @@ class Strategy(DDPStrategy):
         if self.tg_optimizer is None or optimizer is not self.tg_optimizer.optimizer:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         before = guard_mod.current().session.step
-        out = self.precision_plugin.optimizer_step(self.tg_optimizer, model=model or self.lightning_module,
-                                                   closure=closure, **kwargs)
+        self.in_update = True
+        try:
+            out = self.precision_plugin.optimizer_step(self.tg_optimizer, model=model or self.lightning_module,
+                                                       closure=closure, **kwargs)
+        finally:
+            self.in_update = False
         if guard_mod.current().session.step > before:
             self.book.committed_update()
         return out
@@ -256,8 +246,6 @@ class Strategy(DDPStrategy):
             signal.signal(signal.SIGTERM, self._sigterm)
 
     def teardown(self) -> None:
-        if isinstance(self.model, DataParallel):
-            self.model = self.lightning_module
         super().teardown()
         self.tg_optimizer = None
 
@@ -265,6 +253,61 @@ class Strategy(DDPStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         pass  # not by name: Trainer(strategy=Strategy())
 
+
+
+
+class Strategy(_JobStrategy, lightning_strategies.DDPStrategy):
+    """Lightning's DDP strategy whose training survives a fault under `trainguard run`; see the module docstring.
+    Its arguments are DDPStrategy's (`find_unused_parameters`, `broadcast_buffers`, ...), less the cluster
+    environment and start method, which are the job's."""
+
+    def __init__(self, **kwargs):
+        super().__init__(cluster_environment=JobEnvironment(), **self._join_job(kwargs))
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _setup_model(self, model: torch.nn.Module) -> DataParallel:
+        device_ids = self.determine_ddp_device_ids()
+        return DataParallel(model, device_ids=device_ids, **self._ddp_kwargs)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        """Gradient accumulation: no exchange until the batch whose backward is followed by the update."""
+        if isinstance(self.model, DataParallel):
+            with self.model.no_sync():
+                yield
+        else:
+            yield
+
+    def teardown(self) -> None:
+        if isinstance(self.model, DataParallel):
+            self.model = self.lightning_module
+        super().teardown()
+
+
+DDPStrategy = Strategy  # the name a port may import instead of Lightning's
+
+
+class ModelParallelStrategy(_JobStrategy, lightning_strategies.ModelParallelStrategy):
+    """Lightning's model-parallel strategy (FSDP2 and tensor parallelism applied in `configure_model()`, with
+    `self.device_mesh`) whose training survives a fault under `trainguard run`: a port imports it from here instead of
+    `lightning.pytorch.strategies`. The mesh is the job's, and the model the one `configure_model()` sharded
+    (trainguard's sharded engine: train/parallel/sharding.py); the rest is as `Strategy`'s. Its arguments are
+    Lightning's (`data_parallel_size`, `tensor_parallel_size`, `save_distributed_checkpoint`, ...)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**self._join_job(kwargs))
+        self.cluster_environment = JobEnvironment()
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        sharding.keep_mesh(self.device_mesh)  # the job's mesh: the sharded engine's layout
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        sharding.note(self.model)  # sharded by configure_model() with torch's calls: the job's model
+        super().setup_optimizers(trainer)
 
 class _PassEnd(pl.Callback):
     """The training loader's pass ends where Lightning's epoch does: its loop counts the batches, so the loader's

@@ -85,8 +85,10 @@ class Book:
         self.committed: dict | None = None
         self.restored: dict | None = None
         self.output = None
-        # after trainguard's own pre-hook (registered when the job started): a failure skips the update
-        strategy.optimizers[0].register_step_pre_hook(lambda _opt, _args, _kwargs: self._gathered())
+        # after trainguard's own pre-hook (registered when the job started): a failure skips the update. Only in
+        # Lightning's update: torch's distributed state dicts step an FSDP2 model's optimizer to make its state
+        strategy.optimizers[0].register_step_pre_hook(
+            lambda _opt, _args, _kwargs: self._gathered() if strategy.in_update else None)
 
     # taking
 

@@ -47,8 +47,13 @@ def fully_shard(module, *args, **kwargs):
 
     out = torch_fully_shard(module, *args, **kwargs)
     for m in out if isinstance(out, list) else [out]:
-        _noted.add(m)
+        note(m)
     return out
+
+
+def note(module: nn.Module) -> None:
+    """`module`, sharded with torch's own calls (a framework's), is a candidate for the job's model."""
+    _noted.add(module)
 
 
 def parallelize_module(module, *args, **kwargs):
@@ -58,7 +63,7 @@ def parallelize_module(module, *args, **kwargs):
     )
 
     out = torch_parallelize(module, *args, **kwargs)
-    _noted.add(out)
+    note(out)
     return out
 
 
@@ -67,7 +72,11 @@ def init_device_mesh(device_type: str, mesh_shape, *args, **kwargs):
     generation's, as every group's: worker/collectives.py)."""
     from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 
-    mesh = torch_init_device_mesh(device_type, tuple(mesh_shape), *args, **kwargs)
+    return keep_mesh(torch_init_device_mesh(device_type, tuple(mesh_shape), *args, **kwargs))
+
+
+def keep_mesh(mesh):
+    """`mesh` (made with torch's own call: a framework's) is the job's mesh."""
     _meshes[:] = [mesh]
     return mesh
 
