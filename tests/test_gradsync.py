@@ -149,7 +149,8 @@ def test_buffers_and_rank_rows_ride_in_the_last_bucket_bit_for_bit(tmp_path):
         for r in range(world):
             assert got[r]["riding"] == (rides, rides)
             for mine, zero in zip(got[r]["buffers"], got[0]["buffers"]):
-                assert mine.dtype == zero.dtype and torch.equal(mine.reshape(-1).view(torch.uint8), zero.reshape(-1).view(torch.uint8))
+                assert mine.dtype == zero.dtype
+                assert torch.equal(mine.reshape(-1).view(torch.uint8), zero.reshape(-1).view(torch.uint8))
             for a, b in zip(got[r]["grads"], got[0]["grads"]):
                 assert torch.equal(a, b)
             if rides:

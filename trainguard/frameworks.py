@@ -55,10 +55,11 @@ def unguarded(modules: Container[str]) -> str:
     if framework == "PyTorch Lightning's Trainer":
         port = "give the Trainer trainguard's strategy, `Trainer(strategy=trainguard.compat.lightning.Strategy(), ...)`"
     elif framework is not None:
-        port = explain(framework)
+        port = (f"train with trainguard's wrappers (`trainguard.DDP`, `trainguard.Optimizer`) or Hugging Face "
+                f"Accelerate (`trainguard.compat.accelerate`): trainguard does not run {framework} live")
     else:
         port = ("wrap the model and the optimizer in trainguard's (`trainguard.DDP`, `trainguard.Optimizer`; "
                 "Accelerate: `import trainguard.compat.accelerate`)")
-    return ("trainguard: WARNING: the script's optimizer stepped, but trainguard holds none of its state: this training "
-            "is not protected. A fault runs the script again from its top (from its own checkpoint, if it loads one) "
-            f"and the steps since are lost. To protect it, {port} (docs/porting.md)")
+    return ("trainguard: WARNING: the script's optimizer stepped, but trainguard holds none of its state: this "
+            "training is not protected. A fault runs the script again from its top (from its own checkpoint, if it "
+            f"loads one) and the steps since are lost. To protect it, {port} (docs/porting.md)")

@@ -1,6 +1,7 @@
 """PyTorch Lightning under trainguard: `Trainer(strategy=trainguard.compat.lightning.Strategy(), ...)`.
 
-A Lightning script changes two lines: the import and the Trainer's `strategy`. Under `trainguard run` the script
+A Lightning script changes two lines: the import and the Trainer's `strategy` (for FSDP2, the import of
+`ModelParallelStrategy` from here instead of Lightning's). Under `trainguard run` the script
 runs again from the top after a fault, like any script, and `trainer.fit` resumes where the job is:
 
 - **the processes are the job's** (`JobEnvironment`): rank, world size and local rank from `trainguard run`, the
@@ -27,8 +28,9 @@ runs again from the top after a fault, like any script, and `trainer.fit` resume
 
 SIGTERM is trainguard's graceful stop (a dying gasp at the next commit, which the same command resumes from), not
 Lightning's, which would end the job without one. Supported: automatic optimization with one optimizer, data
-parallelism on CPU or GPU, FSDP2 and tensor parallelism through `ModelParallelStrategy`, gradient accumulation, LR schedulers by step or by epoch, validation, callbacks with
-`state_dict()`, values and torchmetrics objects given to `self.log`, loggers. Not covered (a ConfigError at the
+parallelism on CPU or GPU, FSDP2 and tensor parallelism through `ModelParallelStrategy`, gradient accumulation, LR
+schedulers by step or by epoch, validation, callbacks with `state_dict()`, values and torchmetrics objects given to
+`self.log`, loggers. Not covered (a ConfigError at the
 start): manual optimization, several optimizers, a training loader without a length; not covered silently: state a
 LightningModule keeps outside its parameters, buffers and logged metrics (register it with
 `trainguard.register_state`); not built: Lightning's FSDP1 strategy (`FSDPStrategy`).

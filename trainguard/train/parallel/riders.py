@@ -34,7 +34,8 @@ PIECES = 4
 def encode_float64(values: torch.Tensor) -> torch.Tensor:
     """Float64 values as 16-bit pieces, low first, as int64 in 0..65535 (pure): four per value."""
     bits = values.contiguous().view(torch.int64)
-    return torch.stack([(bits >> (16 * k)) & (CHUNK - 1) for k in range(PIECES)], dim=-1).reshape(*values.shape[:-1], -1)
+    pieces = torch.stack([(bits >> (16 * k)) & (CHUNK - 1) for k in range(PIECES)], dim=-1)
+    return pieces.reshape(*values.shape[:-1], -1)
 
 
 def decode_float64(pieces: torch.Tensor) -> torch.Tensor:
