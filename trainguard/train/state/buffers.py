@@ -50,6 +50,7 @@ class BufferShare:
         self.riding = False
         self._own: list[torch.Tensor] = []  # riding: the buffers of the bucket's dtype, as values
         self._bytes: list[torch.Tensor] = []  # riding: the others, byte by byte
+        self._own_size = 0
 
     def __bool__(self) -> bool:
         return bool(self.buffers)
@@ -61,13 +62,14 @@ class BufferShare:
             return None
         self._own = [b for b in self.buffers if b.dtype == dtype]
         self._bytes = [b for b in self.buffers if b.dtype != dtype]
-        return sum(b.numel() for b in self._own) + sum(b.numel() * b.element_size() for b in self._bytes)
+        self._own_size = sum(b.numel() for b in self._own)
+        return self._own_size + sum(b.numel() * b.element_size() for b in self._bytes)
 
     @torch.no_grad()
     def fill(self, view: torch.Tensor, rank: int) -> None:
         if rank != 0:
             return  # the tail is zeros
-        n = sum(b.numel() for b in self._own)
+        n = self._own_size
         if self._own:
             torch.cat([b.reshape(-1) for b in self._own], out=view[:n])
         if self._bytes:
