@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import REPO, assert_identical, env, events, finals
+from harness import REPO, assert_identical, env, events, finals, run_logged
 
 from trainguard.checkpoint import list_checkpoints, read_manifest, verify_checkpoint
 from trainguard.exitcodes import EXIT_PREEMPTED
@@ -27,7 +27,7 @@ def run_job(out: Path, *extra: str, max_restarts: int = 0, **env_extra: str) -> 
     cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--max-restarts", str(max_restarts),
            "--recovery-path", str(out / "recovery"), str(JOB), "--out", str(out / "final"),
            "--ckpt", str(out / "ckpt"), *extra]
-    proc = subprocess.run(cmd, env=env(**env_extra), capture_output=True, text=True, timeout=90)
+    proc = run_logged(cmd, out, env(**env_extra), timeout=90)  # a hang fails with every worker's stacks
     with open(out / "launcher.log", "a") as log:
         log.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     return proc
