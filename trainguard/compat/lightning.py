@@ -173,6 +173,7 @@ class _JobStrategy:
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self.book = lightning_state.Book(trainer, self)
+        lightning_state.no_sigterm_broadcast(trainer)
         trainer.callbacks.insert(0, _PassEnd(self))
         register_state("lightning:loop", self.book)
         register_state("lightning:loaders", self.loader_starts)
@@ -256,8 +257,6 @@ class _JobStrategy:
         pass  # not by name: Trainer(strategy=Strategy())
 
 
-
-
 class Strategy(_JobStrategy, lightning_strategies.DDPStrategy):
     """Lightning's DDP strategy whose training survives a fault under `trainguard run`; see the module docstring.
     Its arguments are DDPStrategy's (`find_unused_parameters`, `broadcast_buffers`, ...), less the cluster
@@ -310,6 +309,7 @@ class ModelParallelStrategy(_JobStrategy, lightning_strategies.ModelParallelStra
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         sharding.note(self.model)  # sharded by configure_model() with torch's calls: the job's model
         super().setup_optimizers(trainer)
+
 
 class _PassEnd(pl.Callback):
     """The training loader's pass ends where Lightning's epoch does: its loop counts the batches, so the loader's

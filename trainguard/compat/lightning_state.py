@@ -73,6 +73,17 @@ def snapshot(value):
     return copy.deepcopy(value)
 
 
+def no_sigterm_broadcast(trainer) -> None:
+    """Lightning 2.5 and newer broadcast rank 0's SIGTERM flag before every training batch: one synchronous
+    collective a step, as costly on CPU as the gradient exchange itself. Under trainguard SIGTERM is trainguard's
+    (the strategy puts its handler back over Lightning's, so the flag stays down): every rank's stop vote already
+    rides in the gradient exchange (train/parallel/gradsync.py), and the job stops at the same commit everywhere.
+    The broadcast is left out; older Lightning has none."""
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(type(loop), "_broadcast_sigterm_tensor"):
+        loop._broadcast_sigterm_tensor = lambda: None
+
+
 # --- the book ------------------------------------------------------------------------------------------------------
 
 class Book:
