@@ -78,6 +78,25 @@ def test_every_fault_is_bit_identical_on_every_rank_with_the_same_epoch_lines(tm
         assert rank0_lines(tmp_path / fault / "launcher.log", LINE) == reference, fault
 
 
+def test_a_checkpoint_callback_given_no_folder_keeps_the_first_runs_folder_after_a_fault(tmp_path):
+    """The most copied shape of ModelCheckpoint: no `dirpath`, so Lightning places it under the logger's version
+    folder, and the logger of each run of the script takes the next free version. After a kill, the callback's best
+    models (and the files it keeps and deletes) must go on in the folder of the job's first run, as without a fault
+    (verify once said: differs, `ModelCheckpoint ... best_k_models`)."""
+    source = PORT.read_text()
+    placed = 'ModelCheckpoint(dirpath=f"{args.out}/checkpoints", monitor="val_loss", save_last=True)'
+    assert placed in source
+    script = tmp_path / "train_no_dirpath.py"
+    script.write_text(source.replace(placed, 'ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)'))
+    keep = tmp_path / "runs"
+    verify_identical(keep, script, "mid-step", ["--devices", str(WORKERS), "--epochs", "3", "--out", "out"],
+                     steps=40, workers=WORKERS)
+    saved = {name: sorted(str(p.relative_to(keep / name / "out")) for p in (keep / name / "out").rglob("*.ckpt"))
+             for name in ("clean", "mid-step")}
+    assert saved["clean"] == saved["mid-step"] and len(saved["clean"]) == 3, saved  # epochs 0 and 1, and last
+    assert (keep / "mid-step" / "out" / "logs" / "version_1").is_dir()  # the logger itself took the next version
+
+
 def test_a_kill_in_the_last_validation_ends_with_the_uninterrupted_checkpoint_and_lines(tmp_path):
     """Two whole runs to the end (2 epochs, 30 updates): without a fault, and with rank 1 killed in the last epoch's
     validation (its all_reduce #46: 7 before training, 15 a epoch's steps, 8 as an epoch ends). Lightning's own last

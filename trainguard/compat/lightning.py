@@ -132,6 +132,7 @@ class _JobStrategy:
         self.train_loader: ReplayedLoader | None = None
         self.step_extra: dict = {}  # the training step's output but its loss (what Lightning hands on with the loss)
         self.in_update = False  # Lightning's optimizer step is under way (not a step of torch's own: DCP's state init)
+        self.placed_checkpoints: list = []  # ModelCheckpoints the script gave no folder: Lightning places them
         self._sigterm = None  # trainguard's SIGTERM handler, put back over Lightning's
         return kwargs
 
@@ -153,6 +154,11 @@ class _JobStrategy:
 
     def _configure_launcher(self) -> None:
         self._launcher = None  # trainguard started the processes
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        trainer = self.lightning_module.trainer  # before the callbacks' setup: their own folders are still unset
+        self.placed_checkpoints = [cb for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", "") is None]
 
     # --- the model, the optimizer, the loaders -----------------------------------------------------------------
 

@@ -205,7 +205,10 @@ class Book:
         fit_loop.restarting = False  # the loops go on from here, not through Lightning's own restart
         for cb in trainer.callbacks:
             if cb.state_key in saved["callbacks"]:
-                cb.load_state_dict(copy.deepcopy(saved["callbacks"][cb.state_key]))
+                state = copy.deepcopy(saved["callbacks"][cb.state_key])
+                if any(cb is placed for placed in self.strategy.placed_checkpoints) and "dirpath" in state:
+                    cb.dirpath = state["dirpath"]  # the job's folder, not this run's logger version's (see below)
+                cb.load_state_dict(state)
         if trainer.datamodule is not None and saved["datamodule"]:
             trainer.datamodule.load_state_dict(copy.deepcopy(saved["datamodule"]))
         trainer.should_stop = saved["should_stop"]
@@ -221,6 +224,12 @@ class Book:
         connector._first_loop_iter = saved["first_loop_iter"]
         connector._current_fx = saved["current_fx"]
         self.output = on_device(mine["output"], device)
+
+    # A ModelCheckpoint given no folder saves under the logger's version folder, and a logger picks the next free
+    # version in each run of the script (as in Lightning's own resume: its CSVLogger deletes the metrics file of a
+    # version it writes again). Placed anew after a fault, the callback would keep its best models elsewhere and,
+    # its folder changed, drop its record of them (ModelCheckpoint.load_state_dict): another set of checkpoints,
+    # other files deleted. It goes on in the folder the job's first run gave it.
 
     def _finish_committed_batch(self, data_fetcher) -> None:
         """The committed batch's work after its update, as `_TrainingEpochLoop.advance` does it, then the epoch's
