@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from harness import REPO, changed_lines, env, rank0_lines, verify_identical
 
 pytest.importorskip("accelerate")
@@ -59,6 +60,34 @@ def test_every_fault_is_bit_identical_on_every_rank_with_the_same_validation_lin
 
 
 @pytest.mark.skipif(not OLDEST.is_dir(), reason="scripts/setup.sh installs the oldest accepted Accelerate there")
+def test_automatically_named_saves_go_on_with_the_jobs_count_after_a_fault(tmp_path):
+    """`ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2)` and `save_state()` with no folder, as
+    Accelerate's docs show: each save is `checkpoint_<n>`, n counted by the Accelerator. A run of the script after a
+    kill made a new Accelerator counting from 0, and Accelerate refused the existing `checkpoint_0` (the job ended
+    with exit 78). The count is the job's now: the saves are those of the run without a fault, with the same tensors."""
+    source = PORT.read_text()
+    made = "accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum)"
+    saved = 'accelerator.save_state(os.path.join(args.output_dir, f"epoch_{epoch}"))'
+    assert made in source and saved in source
+    script = tmp_path / "train_named.py"
+    script.write_text(source.replace(made, made[:-1] + ", project_config=ProjectConfiguration(project_dir="
+                                     "args.output_dir, automatic_checkpoint_naming=True, total_limit=2))")
+                      .replace(saved, "accelerator.save_state()")
+                      .replace("import torch\n", "import torch\nfrom accelerate.utils import ProjectConfiguration\n", 1))
+    keep = tmp_path / "runs"
+    verify_identical(keep, script, "mid-step,sigterm", ["--epochs", "4", "--output_dir", "out"], steps=30,
+                     workers=WORKERS)
+    for fault in ("mid-step", "sigterm"):
+        folders = sorted(p.name for p in (keep / fault / "out" / "checkpoints").iterdir())
+        assert folders == sorted(p.name for p in (keep / "clean" / "out" / "checkpoints").iterdir()), fault
+        assert folders == ["checkpoint_1", "checkpoint_2"], folders  # 3 saves by step 30; total_limit=2 dropped one
+        for name in folders:
+            clean, faulted = (torch.load(keep / run / "out" / "checkpoints" / name / "optimizer.bin") for run in
+                              ("clean", fault))
+            assert all(torch.equal(clean["state"][i][k], v) for i, state in faulted["state"].items()
+                       for k, v in state.items() if isinstance(v, torch.Tensor)), (fault, name)
+
+
 def test_the_oldest_accelerate_the_extra_accepts(tmp_path):
     oldest = {"PYTHONPATH": os.pathsep.join(filter(None, [str(OLDEST), os.environ.get("PYTHONPATH", "")]))}
     version = subprocess.run([sys.executable, "-c", "import accelerate; print(accelerate.__version__)"],

@@ -33,7 +33,7 @@ import torch
 from ..errors import ConfigError
 from ..train.data.replayed import PassStarts, ReplayedLoader
 from ..train.engine.guard import Optimizer, register_state
-from ..train.engine.resume import start_epoch, start_step
+from ..train.engine.resume import restored, start_epoch, start_step
 from ..train.parallel.ddp import DataParallel
 
 __all__ = ["Accelerator", "start_epoch", "start_step"]
@@ -53,6 +53,21 @@ def _apply(loader, state: dict) -> None:
     generator = getattr(loader, "synchronized_generator", None)
     if generator is not None and "generator" in state:
         generator.set_state(state["generator"])
+
+
+class _SaveCount:
+    """Accelerate's count of its automatically named saves (`checkpoint_<n>`), kept with the job's state: a run of
+    the script after a fault names its next save as the run without one did (a new Accelerator counts from 0, and
+    Accelerate refuses a folder that exists: the job ended with exit 78)."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def state_dict(self) -> dict:
+        return {"iteration": int(self.config.iteration)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.config.iteration = int(state["iteration"])
 
 
 @contextlib.contextmanager
@@ -86,6 +101,21 @@ class Accelerator(accelerate.Accelerator):
         self.loader_starts = PassStarts(_capture, _apply)
         self.checkpointed = 0  # objects given to register_for_checkpointing
         register_state("accelerate:loaders", self.loader_starts)
+        register_state("accelerate:saves", _SaveCount(self.project_configuration))
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+        """Accelerate's. An automatically named save whose folder exists after a restore is the job's own, made before
+        a fault took the job back past it: it is made again in that folder (Accelerate would refuse it), as the run
+        without a fault made it. Outside a restore, an existing folder is still Accelerate's error."""
+        config = self.project_configuration
+        folder = os.path.join(self.project_dir or "", "checkpoints", f"checkpoint_{self.save_iteration}")
+        if not (config.automatic_checkpoint_naming and os.path.exists(folder) and restored()):
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        config.automatic_checkpoint_naming = False  # the older saves were already rotated out before this one
+        try:
+            return super().save_state(folder, safe_serialization, **kwargs)
+        finally:
+            config.automatic_checkpoint_naming = True
 
     def register_for_checkpointing(self, *objects):
         """Accelerate's `save_state` keeps these; trainguard keeps them with the job's state too (named by their order,

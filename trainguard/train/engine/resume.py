@@ -34,3 +34,9 @@ def start_step(default: int = 0) -> int:
     replacement, a rerun, the script run again after a fault), else `default`."""
     session = current().ensure_started()
     return session.step if session.step else default
+
+
+def restored() -> bool:
+    """True once this process's state came from a restore (a replacement, a run of the script after a fault, a
+    resume from disk): what the script writes now may be written again, where its run before the fault wrote it."""
+    return bool(current().ensure_started().source)
