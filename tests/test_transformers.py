@@ -72,6 +72,21 @@ def test_every_fault_is_bit_identical_on_every_rank_with_the_same_validation_lin
 
 
 @pytest.mark.skipif(not OLDEST.is_dir(), reason="scripts/setup.sh installs the oldest accepted transformers there")
+def test_a_fault_between_two_evaluations_with_the_best_model_loaded_at_the_end(tmp_path):
+    """`load_best_model_at_end=True` on the validation loss, a checkpoint every epoch, and a kill after the first of
+    two evaluations. Two things differed (`trainguard verify` said so) though the weights did not: the Trainer makes a
+    new evaluation loader for every evaluation, so a run of the script after the fault made the second at another
+    place of its count of loaders and was handed the first one's pass state; and the control rank 0 alone records in
+    the Trainer's state when it saves reached the replacement of rank 1."""
+    source = PORT.read_text()
+    assert "        save_total_limit=2,\n" in source
+    script = tmp_path / "train_best.py"
+    script.write_text(source.replace("        save_total_limit=2,\n", "        save_total_limit=2,\n"
+                                     "        load_best_model_at_end=True,\n        metric_for_best_model=\"eval_loss\",\n"))
+    verify_identical(tmp_path / "runs", script, "mid-step", ["--epochs", "3", "--output_dir", "out"], steps=40,
+                     workers=WORKERS)
+
+
 def test_the_oldest_transformers_the_extra_accepts(tmp_path):
     oldest = {"PYTHONPATH": os.pathsep.join(filter(None, [str(OLDEST), os.environ.get("PYTHONPATH", "")]))}
     version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],

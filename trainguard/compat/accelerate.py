@@ -100,6 +100,7 @@ class Accelerator(accelerate.Accelerator):
         self.gradient_state.dataloader_references = [None]
         self.loader_starts = PassStarts(_capture, _apply)
         self.checkpointed = 0  # objects given to register_for_checkpointing
+        self.per_use = False  # inside loaders_per_use()
         register_state("accelerate:loaders", self.loader_starts)
         register_state("accelerate:saves", _SaveCount(self.project_configuration))
 
@@ -145,12 +146,24 @@ class Accelerator(accelerate.Accelerator):
             prepared.optimizers = mine
         return prepared
 
+    @contextlib.contextmanager
+    def loaders_per_use(self):
+        """Loaders prepared inside are made anew for each use (the transformers Trainer makes one per evaluation). A
+        run of the script after a fault makes them at other places of its count of loaders, where a kept pass state
+        would go to another loader than the one it was taken from; so theirs are not kept: each begins fresh, as it
+        does in every run."""
+        before, self.per_use = self.per_use, True
+        try:
+            yield
+        finally:
+            self.per_use = before
+
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         if isinstance(data_loader, ReplayedLoader):
             return data_loader
         inner = super().prepare_data_loader(data_loader, device_placement=device_placement,
                                             slice_fn_for_dispatch=slice_fn_for_dispatch)
-        return ReplayedLoader(inner, self.loader_starts)
+        return ReplayedLoader(inner, PassStarts(_capture, _apply) if self.per_use else self.loader_starts)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         if isinstance(dataloader, ReplayedLoader):

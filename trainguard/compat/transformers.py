@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import transformers
 import transformers.trainer as trainer_mod
-from transformers.trainer_callback import ExportableState, TrainerCallback, TrainerState
+from transformers.trainer_callback import ExportableState, TrainerCallback, TrainerControl, TrainerState
 
 from ..errors import ConfigError
 from ..train.data import loaders
@@ -129,6 +129,9 @@ class Bookkeeping:
         for cb in t.callback_handler.callbacks:  # as the Trainer's own save does
             if isinstance(cb, ExportableState):
                 state.stateful_callbacks[type(cb).__name__] = cb.state()
+        # the Trainer's control is recorded here by rank 0 alone, when it saves a checkpoint (and read back only by
+        # that save, which records it first); kept as every other rank has it, so that a replacement's is its rank's
+        state.stateful_callbacks["TrainerControl"] = TrainerControl().state()
         grad_norm = t.last_grad_norm
         return {"trainer_state": state,
                 "control": t.control.state(),
@@ -232,6 +235,14 @@ class Trainer(transformers.Trainer):
     def get_train_dataloader(self):
         self.train_loader = super().get_train_dataloader()
         return self.train_loader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        with self.accelerator.loaders_per_use():  # one per evaluation (a verify once found a kept pass moved to another)
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        with self.accelerator.loaders_per_use():
+            return super().get_test_dataloader(test_dataset)
 
     def _get_grad_norm(self, model, grad_norm=None):
         self.last_grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
