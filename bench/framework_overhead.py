@@ -2,8 +2,9 @@
 examples/<framework>/train.py (the same script, ported) under `trainguard run`, 3 workers on CPU (gloo), for Hugging
 Face Accelerate, the transformers Trainer and PyTorch Lightning (bench/frameworks.py). The two alternate, --runs times each; each run
 reports the median interval between its optimizer steps after a warm-up (bench/steptimer/sitecustomize.py, which times
-any script through torch's global optimizer-step hook), and the figure is the median over the runs. The scripts' own
-checkpoints are off.
+any script through torch's global optimizer-step hook), and the figure is the median over the runs; beside it, the
+median of the paired ratios (each trainguard run over the torchrun run next to it), which the machine's drift between
+pairs moves less. The scripts' own checkpoints are off.
 
     python bench/framework_overhead.py [--framework accelerate|transformers|lightning] [--runs 5] [--epochs 20] [--channels 16]
 """
@@ -70,6 +71,10 @@ def measure(args, plain: list[str], guarded: list[str], cwd: str) -> None:
     ratio = medians[ours] / medians[theirs]
     cpu_ratio = statistics.median(spent[ours]) / statistics.median(spent[theirs])
     print(f"ratio trainguard / torchrun: {ratio:.3f} (step time), {cpu_ratio:.3f} (CPU time per step)")
+    # each run beside the other one of its pair, run next to it: what the machine's drift between pairs moves less
+    paired = [a / b for a, b in zip(times[ours], times[theirs])]
+    print(f"median of the {len(paired)} paired ratios: {statistics.median(paired):.3f} "
+          f"({', '.join(f'{r:.3f}' for r in paired)})")
 
 
 if __name__ == "__main__":
