@@ -28,8 +28,11 @@ def run(cmd: list[str], cwd: str) -> tuple[float, float]:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TIMER), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     found = STEP_TIME.search(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or found is None:
+    if found is None:
         sys.exit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    if proc.returncode != 0:  # trained and timed, then failed at its exit (seen: the plain Lightning script under
+        # torchrun, SIGABRT in a worker's teardown): its steps count, and the run says so
+        print(f"note: exit {proc.returncode} after the timed steps: {' '.join(cmd[:4])}...", flush=True)
     return float(found.group(1)), float(found.group(3))
 
 

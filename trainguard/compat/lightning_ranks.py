@@ -25,6 +25,7 @@ from ..checkpoint.blob import pack, unpack
 from ..checkpoint.codec import flatten_state, unflatten_state
 from ..train.parallel.riders import RankRows
 from ..worker.transfer import FloatGather, all_gather_bytes
+from .lightning_results import on_cpu
 
 FIRST_CAPACITY = 64  # float64 slots a rank sends in a gather of its own: a digest, a count, the numbers
 RIDING_CAPACITY = 256  # the same, riding in the gradient exchange: fixed, since it sets the exchange's length
@@ -56,31 +57,36 @@ class RankParts:
         self.rows = RankRows(RIDING_CAPACITY) if model is not None else None
         if self.rows is not None:
             model.ride(self.rows)
-        self.pending: tuple | None = None  # (part, layout, count, this rank's vector, gather) of the step under way
+        self.pending: tuple | None = None  # (snapshot, layout, count, this rank's vector, gather) of the step under way
 
     def start(self, part: dict) -> None:
-        """This rank's part, sent to every rank (the gather finishes in `finish()`)."""
+        """This rank's part, sent to every rank (the gather finishes in `finish()`). Its tensors may be the live ones:
+        their numbers are copied here."""
         tensors, meta = flatten_state(part, copy=False)
         layout = _layout(tensors, meta)
-        flat = [t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors.values()]
-        numbers = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
-        count = numbers.numel() if all(_exact(t) for t in tensors.values()) else -1
+        count = sum(t.numel() for t in tensors.values()) if all(_exact(t) for t in tensors.values()) else -1
         riding = self.rows is not None and self.rows.riding
         mine = torch.zeros(self.rows.capacity if riding else self.capacity, dtype=torch.float64)
         mine[0], mine[1] = _digest(layout), count
+        snapshot = None  # the part as it is now, where `mine` cannot hold it (else `mine` and the layout are)
         if 0 <= count <= mine.numel() - 2:
-            mine[2:2 + count] = numbers
+            at = 2
+            for t in tensors.values():  # the numbers copied (and converted) into their places
+                mine[at:at + t.numel()].copy_(t.detach().reshape(-1))
+                at += t.numel()
+        else:
+            snapshot = on_cpu(part)
         if riding:
             self.rows.send(mine)
-            self.pending = (part, layout, count, mine, None)
+            self.pending = (snapshot, layout, count, mine, None)
         else:
-            self.pending = (part, layout, count, mine, FloatGather(mine, dist.group.WORLD))
+            self.pending = (snapshot, layout, count, mine, FloatGather(mine, dist.group.WORLD))
 
     def finish(self) -> dict | None:
         """Every rank's part: {"layout", "values" [world, n]}, or {"packed": every rank's part as a blob}."""
         if self.pending is None:
             return None
-        part, layout, count, mine, gather = self.pending
+        snapshot, layout, count, mine, gather = self.pending
         self.pending = None
         if gather is None:
             rows = self.rows.rows
@@ -94,7 +100,9 @@ class RankParts:
         needed = int(counts.max().item()) + 2
         if gather is not None and needed > self.capacity:  # every rank sees the same rows: it grows the same everywhere
             self.capacity = 1 << math.ceil(math.log2(needed))
-        return {"packed": all_gather_bytes(pack(part), dist.group.WORLD)}
+        if snapshot is None:  # this rank's part fit: its numbers as they were taken, in its layout
+            snapshot = rank_part({"layout": layout, "values": mine[2:2 + count].unsqueeze(0)}, 0)
+        return {"packed": all_gather_bytes(pack(snapshot), dist.group.WORLD)}
 
 
 def rank_part(parts: dict, rank: int) -> dict:

@@ -26,15 +26,25 @@ def _reduce_name(meta) -> str:
                       "min and sum")
 
 
+def _walk(value, take):
+    if isinstance(value, torch.Tensor):
+        return take(value)
+    if isinstance(value, dict):
+        return {str(k): _walk(v, take) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_walk(v, take) for v in value]
+    return value
+
+
 def on_cpu(value):
     """Tensors (in dicts, lists, tuples) detached and copied to the CPU: plain data to keep."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
-    if isinstance(value, dict):
-        return {str(k): on_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [on_cpu(v) for v in value]
-    return value
+    return _walk(value, lambda t: t.detach().cpu().clone())
+
+
+def detached(value):
+    """The same, the tensors detached but neither copied nor moved: data read at once (lightning_ranks.py copies the
+    numbers into one vector), at a third of `on_cpu`'s cost a step."""
+    return _walk(value, torch.Tensor.detach)
 
 
 def on_device(value, device):
@@ -48,12 +58,12 @@ def on_device(value, device):
     return value
 
 
-def _metric_state(metric) -> dict:
+def _metric_state(metric, take) -> dict:
     """A torchmetrics Metric's accumulated state (its `add_state` tensors), update count and last step's value."""
-    out = {"states": {name: on_cpu(value) for name, value in metric.metric_state.items()},
+    out = {"states": {name: take(value) for name, value in metric.metric_state.items()},
            "updates": int(metric._update_count)}
     if isinstance(metric._forward_cache, torch.Tensor):
-        out["forward_cache"] = on_cpu(metric._forward_cache)
+        out["forward_cache"] = take(metric._forward_cache)
     return out
 
 
@@ -65,8 +75,9 @@ def _put_metric_state(metric, saved: dict, device) -> None:
     metric._forward_cache = on_device(saved["forward_cache"], device) if "forward_cache" in saved else None
 
 
-def results_state(results) -> list:
-    """The epoch's logged values of a `_ResultCollection` as plain data (pure but for the copies)."""
+def results_state(results, take=on_cpu) -> list:
+    """The epoch's logged values of a `_ResultCollection` as plain data (pure but for the copies); `take`: how each
+    tensor is taken (`on_cpu`, or `detached`)."""
     out = []
     for key, metric in results.items():
         meta, sync = metric.meta, metric.meta.sync
@@ -77,18 +88,18 @@ def results_state(results) -> list:
                  "sync": bool(sync.should), "rank_zero_only": bool(sync.rank_zero_only),
                  "has_reset": bool(metric.has_reset), "updates": int(getattr(metric, "_update_count", 0))}
         if metric.is_tensor:
-            tensors = {"value": on_cpu(metric.value)}
+            tensors = {"value": take(metric.value)}
             if meta.is_mean_reduction:
-                tensors["cumulated_batch_size"] = on_cpu(metric.cumulated_batch_size)
+                tensors["cumulated_batch_size"] = take(metric.cumulated_batch_size)
             if isinstance(metric._forward_cache, torch.Tensor):
-                tensors["forward_cache"] = on_cpu(metric._forward_cache)
+                tensors["forward_cache"] = take(metric._forward_cache)
             entry["tensors"] = tensors
         else:  # a torchmetrics Metric, logged as an object
             if meta.metric_attribute is None:
                 raise ConfigError(f"self.log({meta.name!r}, <a torchmetrics Metric>) that is not an attribute of the "
                                   "LightningModule: make it one (self.accuracy = Accuracy(...)), so that its state is "
                                   "found")
-            entry["metric"] = _metric_state(metric.value)
+            entry["metric"] = _metric_state(metric.value, take)
         out.append(entry)
     return out
 

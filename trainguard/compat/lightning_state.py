@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..train.data import loaders
 from ..train.parallel.ddp import DataParallel
 from .lightning_ranks import RankParts, rank_part
-from .lightning_results import load_results, on_cpu, on_device, results_state
+from .lightning_results import detached, load_results, on_device, results_state
 
 OLDEST = "2.4"
 # Lightning's names used beyond its public API (its instance attributes, which cannot be checked before a Trainer
@@ -106,13 +106,13 @@ class Book:
     def start_gather(self, loss: torch.Tensor | None, extra: dict) -> None:
         """Right before the backward of the batch the update follows (the training step has logged its values): this
         rank's part, sent while the backward runs and the gradients are exchanged, behind nothing."""
-        output = {"loss": loss.detach().clone(), **extra} if loss is not None else {}  # Lightning's step output
+        output = {"loss": loss, **extra} if loss is not None else {}  # Lightning's step output
         connector = self.trainer._logger_connector
-        self.parts.start({"results": results_state(self.trainer._results),
-                          "callback_metrics": on_cpu(dict(connector._callback_metrics)),
-                          "logged_metrics": on_cpu(dict(connector._logged_metrics)),
-                          "progress_bar_metrics": on_cpu(dict(connector._progress_bar_metrics)),
-                          "output": on_cpu(output)})
+        self.parts.start({"results": results_state(self.trainer._results, detached),  # start() copies the numbers
+                          "callback_metrics": detached(dict(connector._callback_metrics)),
+                          "logged_metrics": detached(dict(connector._logged_metrics)),
+                          "progress_bar_metrics": detached(dict(connector._progress_bar_metrics)),
+                          "output": detached(output)})
 
     def _gathered(self) -> None:
         """Right before the update (an optimizer pre-hook, after trainguard's): every rank's part."""
