@@ -17,16 +17,18 @@ from trainguard.launch.verify import Case, plan, run_flags
 pytestmark = pytest.mark.timeout(400)
 
 
-def verify(*args: str, timeout: float = 360) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainguard", "verify", *args], cwd=REPO, env=env(TG_EXACT=""),
+def verify(*args: str, timeout: float = 360, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainguard", "verify", *args], cwd=cwd, env=env(TG_EXACT=""),
                           capture_output=True, text=True, timeout=timeout)
 
 
 def test_the_example_trainer_is_identical_after_a_sigterm_and_a_rerun(tmp_path):
     """One fault, the one that goes through disk (tests/test_accelerate.py and test_transformers.py run verify with
-    every other; tests/test_real_trainer.py kills this trainer at every moment)."""
-    proc = verify("--steps", "14", "--faults", "sigterm", "--keep", str(tmp_path), "--workers", "3",
-                  "examples/trainer.py", "--epochs", "2")
+    every other; tests/test_real_trainer.py kills this trainer at every moment). The folder to keep is given
+    relative to where verify is started, as a user types it (each run has its own working directory)."""
+    proc = verify("--steps", "14", "--faults", "sigterm", "--keep", "kept", "--workers", "3",
+                  str(REPO / "examples/trainer.py"), "--epochs", "2", cwd=tmp_path)
+    tmp_path = tmp_path / "kept"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if "(rank 1)" in ln]
     assert [r.split("(rank 1)")[0].strip() for r in rows] == ["SIGTERM and a rerun"], proc.stdout

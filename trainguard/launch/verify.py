@@ -204,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
     script_args = [str(Path(a).resolve()) if a and not a.startswith("-") and Path(a).exists() else a
                    for a in args.script_args]
     rank = 1 if (args.workers or 1) > 1 else 0
-    root = own["keep"] or Path(tempfile.mkdtemp(prefix="trainguard-verify-"))
+    root = (own["keep"] or Path(tempfile.mkdtemp(prefix="trainguard-verify-"))).resolve()  # each run has its own cwd
     root.mkdir(parents=True, exist_ok=True)
 
     def run(case: str, env: dict) -> tuple[int, float, str]:
