@@ -1,7 +1,8 @@
 """A plain Hugging Face Accelerate script, in the shape of accelerate's complete_cv_example and
-by_feature/checkpointing.py: scikit-learn's digits, a small CNN with BatchNorm and dropout, AdamW with a OneCycleLR
-stepped every optimizer step, gradient accumulation, gradient clipping, accuracy gathered with
-`gather_for_metrics`, `save_state` every epoch and `--resume_from_checkpoint`.
+by_feature/checkpointing.py: scikit-learn's digits, random shifts and noise drawn in the dataset's `__getitem__`
+(as torchvision's random transforms draw), a small CNN with BatchNorm and dropout, AdamW with a OneCycleLR stepped
+every optimizer step, gradient accumulation, gradient clipping, accuracy gathered with `gather_for_metrics`,
+`save_state` every epoch and `--resume_from_checkpoint`.
 
     accelerate launch --cpu --num_processes 3 examples/accelerate/train_plain.py
     torchrun --nproc-per-node 3 examples/accelerate/train_plain.py --cpu
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from trainguard.compat.accelerate import Accelerator, start_epoch
 from accelerate.utils import set_seed
 from sklearn.datasets import load_digits
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 class Net(nn.Module):
@@ -37,12 +38,28 @@ class Net(nn.Module):
         return self.fc(self.dropout(torch.flatten(x, 1)))
 
 
+class Augmented(Dataset):
+    """Training images shifted by up to a pixel and lightly noised, drawn from torch's global generator in
+    `__getitem__`, as torchvision's random transforms draw."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        dy, dx = torch.randint(-1, 2, (2,)).tolist()
+        image = torch.roll(self.images[i], shifts=(dy, dx), dims=(1, 2))
+        return image + 0.05 * torch.randn_like(image), self.labels[i]
+
+
 def get_dataloaders(batch_size):
     images, labels = load_digits(return_X_y=True)
     images = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
     labels = torch.tensor(labels)
     split = int(0.8 * len(images))
-    train = TensorDataset(images[:split], labels[:split])
+    train = Augmented(images[:split], labels[:split])
     evaluation = TensorDataset(images[split:], labels[split:])
     return (DataLoader(train, batch_size=batch_size, shuffle=True),
             DataLoader(evaluation, batch_size=2 * batch_size, shuffle=False))

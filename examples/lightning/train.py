@@ -1,8 +1,9 @@
 """A plain PyTorch Lightning script, in the shape of Lightning's image-classifier examples: scikit-learn's digits in
-a LightningDataModule, a small CNN with BatchNorm and dropout, SGD with momentum and a StepLR stepped each epoch (or
-a OneCycleLR stepped each step), training and validation with metrics logged across ranks, gradient accumulation,
-ModelCheckpoint on the validation loss, a CSV logger and `seed_everything`. `--strategy fsdp` shards the model with
-FSDP2 in `configure_model()` under Lightning's ModelParallelStrategy.
+a LightningDataModule (random shifts and noise drawn in the training dataset's `__getitem__`), a small CNN with
+BatchNorm and dropout, SGD with momentum and a StepLR stepped each epoch (or a OneCycleLR stepped each step),
+training and validation with metrics logged across ranks, gradient accumulation, ModelCheckpoint on the validation
+loss, a CSV logger and `seed_everything`. `--strategy fsdp` shards the model with FSDP2 in `configure_model()` under
+Lightning's ModelParallelStrategy.
 
     torchrun --nproc-per-node 3 examples/lightning/train_plain.py --devices 3
 
@@ -20,7 +21,23 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from trainguard.compat.lightning import ModelParallelStrategy
 from sklearn.datasets import load_digits
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+
+class Augmented(Dataset):
+    """Training images shifted by up to a pixel and lightly noised, drawn from torch's global generator in
+    `__getitem__`, as torchvision's random transforms draw."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        dy, dx = torch.randint(-1, 2, (2,)).tolist()
+        image = torch.roll(self.images[i], shifts=(dy, dx), dims=(1, 2))
+        return image + 0.05 * torch.randn_like(image), self.labels[i]
 
 
 class DigitsData(L.LightningDataModule):
@@ -33,7 +50,7 @@ class DigitsData(L.LightningDataModule):
         images = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
         labels = torch.tensor(labels)
         split = int(0.8 * len(images))
-        self.train_set = TensorDataset(images[:split], labels[:split])
+        self.train_set = Augmented(images[:split], labels[:split])
         self.val_set = TensorDataset(images[split:], labels[split:])
 
     def train_dataloader(self):

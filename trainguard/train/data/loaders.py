@@ -27,7 +27,7 @@ import torch
 from ...errors import ConfigError
 from ..engine import guard as guard_mod
 from ..engine import rewind as rewind_mod
-from ..state.streams import key_seed
+from ..state.streams import fetch_pass, key_seed
 from . import passes, streamstate
 from .loaderseed import seed_loader_samples
 from .plainloaders import Resumable
@@ -95,6 +95,10 @@ class _OtherBatches:
     def __init__(self, loader: DataLoader, guard: "guard_mod.Guard"):
         self.loader, self.guard = loader, guard
         self.label = getattr(loader.sampler, "epoch", 0)
+        session = guard.session
+        # before the first commit this may be the training loader's first pass: its fetches are keyed (streams.py)
+        self.keyed = fetch_pass(loader.tg_index, session.epoch) if session.train_loader is None else None
+        self.fetches = 0
         self.it = loader.quiet_iter(guard.session) if is_stream(loader) else loader.plain_iter()
 
     def __iter__(self):
@@ -109,6 +113,9 @@ class _OtherBatches:
         if trains:
             session.passes.name(self.label)  # so that a loop resumed in another epoch's pass is told
             _before_training_batch(self.guard)  # as a pass of the training loader made after the first commit
+        if self.keyed is not None:
+            session.streams.fetch(self.keyed, self.fetches)
+            self.fetches += 1
         try:
             batch = next(self.it)
         except StopIteration:
@@ -139,18 +146,21 @@ class _TrainingBatches:
 
     def _from_position(self):
         session, loader = self.guard.session, self.loader
+        self.keyed = fetch_pass(loader.tg_index, session.epoch)  # each fetch is keyed (streams.py)
         if not replays(loader):
             loader.sampler.set_position(session.in_epoch * loader.batch_size)
+            self.fetches = session.in_epoch
             return loader.quiet_iter(session)
         # no position to set: read the pass again up to the committed batch, from a saved state where the stream
         # keeps one (streamstate.py), else from the pass's start
         anchor = streamstate.resume_point(loader, session)
         start = anchor["at"] if anchor is not None else 0
         it = loader.quiet_iter(session, anchor)
+        self.fetches = start
         t0 = time.monotonic()
         last = None
         for _ in range(session.in_epoch - start):
-            last = next(it)
+            last = self._fetch(it)
         if getattr(loader, "replays_pass", False):
             loader.last_replayed = last  # the committed step's last batch, for a framework that ends that step
         if session.in_epoch and session.rt.rank == 0:
@@ -172,13 +182,20 @@ class _TrainingBatches:
             self.it = self._from_position()
         _before_training_batch(guard)
         try:
-            batch = next(self.it)
+            batch = self._fetch(self.it)
         except StopIteration:
             if passes.pass_done(session.in_epoch + guard.fetched, self.loader):
                 session.passes.end(session.state)
             raise
         _took_training_batch(guard, batch, self.loader.tg_index)
         return batch
+
+
+    def _fetch(self, it):
+        """The pass's next batch, its draws keyed by its place in the pass."""
+        self.guard.session.streams.fetch(self.keyed, self.fetches)
+        self.fetches += 1
+        return next(it)
 
 
 def _before_training_batch(guard) -> None:

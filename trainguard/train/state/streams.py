@@ -14,14 +14,22 @@ The points (`k` = committed steps before the step; `m` = its training forwards s
 - a training forward (the model in train mode, grad enabled) returns: key ``k/m``;
 - a step commits without a training forward the guard saw (the Session API, a model trainguard does not
   wrap): key ``k+1/c``;
+- the training loader (trainguard's, or a framework's) fetches a batch (each `next()` on its pass): key
+  ``fetch/L/e/j`` for loader ``L``'s ``j``-th batch of its pass over epoch ``e``; before the first commit (the
+  training loader not known yet) every pass of a trainguard loader is keyed so;
 - a restore to committed step ``c`` sets the streams as the end of step ``c``'s last training forward left
   them: key ``c-1/M`` (``M``, that step's forwards, travels with the state), or ``c/c`` where the step had
   none; a fresh start (``c`` = 0): key ``start``.
 
-So whatever the script draws after a step's last forward and before the next step begins (a prefetch,
-the optimizer, the code after the step, an eval on one rank, a loader's next pass) comes from key ``k/M``
-in the run without a fault and in every run that comes back to step ``c``: the script, run again from
-the top, passes `start_step()` (the restore), then draws the same numbers in the same order. What the
+A loader is asked for the next batch at other points than the step's beginning: a framework's loader fetches ahead
+(Accelerate's and Lightning's fetch the next batch as they hand out this one), a prefetcher takes the next batch
+during the step, and a loader with no position to set (a framework's, a stream) is read again from its pass's
+start after a restore. What a fetch draws in this process (an augmentation in `__getitem__`, a stream's draws)
+is then the same in every run; the step's own draws (a forward's dropout) come after a fetch or a forward's key.
+
+So whatever the script draws after a step's last forward and before the next step begins, other than a fetch
+(the optimizer, the code after the step, an eval on one rank, a loader's next pass), comes from key ``k/M`` in the
+run without a fault and in every run that comes back to step ``c``: the script, run again from the top, passes `start_step()` (the restore), then draws the same numbers in the same order. What the
 script drew before the restore (its model's initialisation, a value drawn before `start_step()` and kept)
 is not covered: it is redrawn from the script's own seed, or from another stream.
 """
@@ -75,6 +83,11 @@ def restore_point(step: int, forwards: int) -> str:
     return f"{step - 1}/{forwards}" if forwards else f"{step}/c"
 
 
+def fetch_pass(loader: int, epoch: int) -> str:
+    """The key of the training loader's pass over `epoch` (pure; see the module docstring)."""
+    return f"{loader}/{epoch}"
+
+
 class Streams:
     """One rank's keyed streams: the session calls it at the points of the module docstring."""
 
@@ -102,6 +115,10 @@ class Streams:
         self.committed_forwards, self.forwards = self.forwards, 0
         if not self.committed_forwards:
             self._seed(f"{step}/c")
+
+    def fetch(self, point: str, j: int) -> None:
+        """The fetch of batch `j` of the training loader's pass `point` (`fetch_pass`) begins."""
+        self._seed(f"fetch/{point}/{j}")
 
     def skipped(self) -> None:
         self.forwards = 0
