@@ -112,14 +112,13 @@ class _OtherBatches:
         self.guard.poll()
         if trains:
             session.passes.name(self.label)  # so that a loop resumed in another epoch's pass is told
-            _before_training_batch(self.guard)  # as a pass of the training loader made after the first commit
         if self.keyed is not None:
             session.streams.fetch(self.keyed, self.fetches)
             self.fetches += 1
         try:
             batch = next(self.it)
         except StopIteration:
-            if trains and passes.pass_done(session.in_epoch + self.guard.fetched, self.loader):
+            if trains and passes.pass_done(taken(self.guard), self.loader):
                 session.passes.end(session.state)  # its next pass begins the next epoch
             raise
         if trains:
@@ -137,10 +136,10 @@ class _TrainingBatches:
         session = guard.session
         self.restores = session.restores
         label = getattr(loader.sampler, "epoch", 0)  # a stream has no set_epoch: one label
-        done = passes.pass_done(session.in_epoch + guard.fetched, loader)  # with the step's batches so far
+        done = passes.pass_done(taken(guard), loader)  # with the step's batches so far
         if (session.passes.ended and done) or session.passes.next_pass(label, done):
             session.roll_epoch(session.epoch + 1)  # the next epoch's pass begins (set_epoch's number is only its label)
-            guard.new_pass()
+            guard.batches.new_pass()
         session.passes.begin(label, step=session.step, epoch=session.epoch, in_epoch=session.in_epoch)
         self.it = self._from_position()
 
@@ -180,11 +179,10 @@ class _TrainingBatches:
         if session.restores != self.restores:  # recovered in place (started by hand): from the committed position
             self.restores = session.restores
             self.it = self._from_position()
-        _before_training_batch(guard)
         try:
             batch = self._fetch(self.it)
         except StopIteration:
-            if passes.pass_done(session.in_epoch + guard.fetched, self.loader):
+            if passes.pass_done(taken(guard), self.loader):
                 session.passes.end(session.state)
             raise
         _took_training_batch(guard, batch, self.loader.tg_index)
@@ -198,17 +196,15 @@ class _TrainingBatches:
         return next(it)
 
 
-def _before_training_batch(guard) -> None:
-    """The streams are keyed at the step's first batch (gradient accumulation takes several), so a batch drawn with
-    randomness in this process (an augmentation, a stream's own draws) draws the same in every run."""
-    if not guard.in_step:
-        guard.session.streams.step_begins(guard.session.step)
-
-
 def _took_training_batch(guard, batch, loader: int) -> None:
-    guard.fetched += 1
+    guard.took_batch()
     if not guard.in_step:
         guard.begin_step(batch, loader=loader)
+
+
+def taken(guard) -> int:
+    """The training loader's batches of this pass taken so far: the committed steps', then those since."""
+    return guard.session.in_epoch + guard.batches.pending()
 
 
 def end_pass(loader) -> None:

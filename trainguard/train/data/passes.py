@@ -37,9 +37,12 @@ class Passes:
         self.end_state: dict | None = None  # TrainState.hyperparameters() at that end, until the next commit
         self.committed: tuple[int, int, int | None] = (0, 0, None)  # (epoch, in_epoch, label) at the last commit
 
-    def commit(self, epoch: int, in_epoch: int) -> None:
-        """The position is committed as it stands (a commit, a restore, a fresh job's first epoch)."""
-        self.committed, self.end_state = (epoch, in_epoch, self.label), None
+    def commit(self, epoch: int, in_epoch: int, state=None) -> None:
+        """The position is committed as it stands (a commit with its `state`, a restore, a fresh job's first epoch).
+        A pass that ended before its last step committed (the loop took the next batch during that step, and there
+        was none) ends at this commit: the code after it starts from the hyperparameters as they are now."""
+        self.committed = (epoch, in_epoch, self.label)
+        self.end_state = state.hyperparameters() if self.ended and state is not None else None
 
     def restore(self, label: int | None) -> None:
         """A restored position's pass, as its label; it has not ended in this process."""

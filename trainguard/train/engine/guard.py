@@ -52,6 +52,7 @@ from ..state.shardckpt import ShardedCheckpoints, ShardedSaver
 from ..state.train_state import TrainState
 from . import audit, tail, rewind as rewind_mod
 from .audit import Audit
+from .batches import StepBatches
 from .callbacks import Callback
 from .session import Session, SessionConfig
 
@@ -76,8 +77,7 @@ class Guard:
         self.in_step = False
         self.step_loader: int | None = None  # the loader whose batch began this step
         self.recent_loader: int | None = None  # the last loader a training batch came from since the last commit
-        self.fetched = 0  # training batches of this pass since the last commit (gradient accumulation takes several)
-        self.rolled = False  # the training loader began its next pass since the last commit
+        self.batches = StepBatches()  # the training batches each step takes (batches.py)
         self._resync: dict | None = None  # hand launches: hyperparameters to put back after an in-place recovery
         self.finished = False  # the job agreed to finish
 
@@ -166,6 +166,7 @@ class Guard:
             if found is not None:
                 audit.report(session, found)
             session.streams.forward_done(session.step)
+            self.batches.forward()
             if session.streams.forwards == 1:
                 session.phase_point("after_forward")  # a fault injection point (faults.py: kill-forward)
 
@@ -189,8 +190,7 @@ class Guard:
         if self._resync is not None:
             session.state.put_back(self._resync)
             self._resync = None
-        if loader is None:  # begun by the forward (the batch came from elsewhere): key the streams here
-            session.streams.step_begins(session.step)
+        session.streams.step_begins(session.step)  # after the batch that begins it was fetched (its own key)
         session.begin_step(batch)
         self.in_step = True
         if (found := tail.step_begins(session.step)) is not None:  # code after the update, skipped by this run? (tail.py)
@@ -206,12 +206,12 @@ class Guard:
             return False
         if self.model is None or (torch.is_grad_enabled() and self.model.training):
             self.recent_loader = loader
-            self.fetched += 1
+            self.took_batch()
             return True
         return False
 
-    def new_pass(self) -> None:  # a step that took batches from two passes counts the second one's in the position
-        self.fetched, self.rolled = 0, True
+    def took_batch(self) -> None:
+        self.batches.took(self.in_step and self.session.streams.forwards > 0)
 
     # --- the commit point ------------------------------------------------------------------------
 
@@ -223,8 +223,7 @@ class Guard:
         if not self.in_step:
             self.begin_step()
         self.in_step = False
-        batches = self.fetched if self.rolled else max(1, self.fetched)
-        self.fetched, self.rolled = 0, False
+        batches = self.batches.commit()
         try:
             result = self.optimizer.optimizer.step()
             if closure is not None:

@@ -292,7 +292,7 @@ class Session:
         if not self.user_loop and self.steps_per_epoch and self.in_epoch - self.phase.start >= self.steps_per_epoch:
             self.roll_epoch(self.epoch + 1)
         self.streams.committed(self.step)
-        self.passes.commit(self.epoch, self.in_epoch)
+        self.passes.commit(self.epoch, self.in_epoch, self.state)
 
     def roll_epoch(self, epoch: int) -> None:
         self.epoch, self.in_epoch, self.iterator = epoch, 0, None

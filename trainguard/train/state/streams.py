@@ -9,8 +9,8 @@ function of where the rank is, known to a replacement without having been saved.
 
 The points (`k` = committed steps before the step; `m` = its training forwards so far):
 
-- the step begins (its first training batch from a trainguard loader, or its first training forward):
-  key ``k``;
+- the step begins (once its first training batch from a trainguard loader is fetched, or at its first training
+  forward): key ``k``;
 - a training forward (the model in train mode, grad enabled) returns: key ``k/m``;
 - a step commits without a training forward the guard saw (the Session API, a model trainguard does not
   wrap): key ``k+1/c``;
