@@ -1,11 +1,13 @@
 """Hugging Face Accelerate: examples/accelerate/train.py is examples/accelerate/train_plain.py, a plain Accelerate
-script (digits, a model with BatchNorm and dropout, `prepare`, `accumulate`, `clip_grad_norm_`, a OneCycleLR stepped
-per step, `gather_for_metrics` in validation, `save_state` per epoch), changed in at most 3 lines. 3 ranks, real
-processes: `trainguard verify` kills rank 1 in a step, in validation, right after an epoch's last step, kills the
-scheduler, and SIGTERMs then runs the same command again; every tensor of every rank's model,
-optimizer, scheduler and loader state is `torch.equal` to the run without a fault, and rank 0 prints the same
-validation lines (each run goes to step 20 of 24, where verify takes the state). The oldest Accelerate the extra accepts
-(`trainguard[accelerate]`, installed by scripts/setup.sh beside the pinned one) passes a kill in a step."""
+script (digits with random shifts and noise drawn in `__getitem__` from torch's global generator, a model with
+BatchNorm and dropout, `prepare`, `accumulate`, `clip_grad_norm_`, a OneCycleLR stepped per step,
+`gather_for_metrics` in validation, `save_state` per epoch), changed in at most 3 lines. 3 ranks, real processes:
+`trainguard verify` kills rank 1 in a step, in validation, right after an epoch's last step, kills the scheduler,
+and SIGTERMs then runs the same command again; every tensor of every rank's model, optimizer, scheduler and loader
+state is `torch.equal` to the run without a fault, and rank 0 prints the same validation lines (each run goes to
+step 20 of 24, where verify takes the state); so are a kill and a rerun with the augmentation drawn in two loader
+workers. The oldest Accelerate the extra accepts (`trainguard[accelerate]`, installed by scripts/setup.sh beside the
+pinned one) passes a kill in a step."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ STEPS_PER_EPOCH = 8  # 1437 training images, 32 a batch on each of 3 ranks: 15 b
 VAL = re.compile(r"epoch \d+: .*")
 
 
-def verify(tmp_path: Path, faults: str, **extra: str) -> subprocess.CompletedProcess:
-    return verify_identical(tmp_path, PORT, faults, ["--epochs", str(EPOCHS)], steps=STEPS, workers=WORKERS, **extra)
+def verify(tmp_path: Path, faults: str, num_workers: str = "0", **extra: str) -> subprocess.CompletedProcess:
+    return verify_identical(tmp_path, PORT, faults, ["--epochs", str(EPOCHS), "--num_workers", num_workers],
+                            steps=STEPS, workers=WORKERS, **extra)
 
 
 def validation(log: Path) -> list[str]:
@@ -86,6 +89,14 @@ def test_automatically_named_saves_go_on_with_the_jobs_count_after_a_fault(tmp_p
                               ("clean", fault))
             assert all(torch.equal(clean["state"][i][k], v) for i, state in faulted["state"].items()
                        for k, v in state.items() if isinstance(v, torch.Tensor)), (fault, name)
+
+
+def test_augmentation_drawn_in_two_loader_workers_is_bit_identical_after_a_kill_and_a_rerun(tmp_path):
+    """`--num_workers 2`: the training set's random shifts and noise are drawn in loader workers, whose streams torch
+    seeds from the main process's when each pass's iterator is made. Accelerate makes it at the pass's first fetch,
+    which a restore reads again from the pass's start: the fetch is keyed (train/state/streams.py), so the workers
+    draw what they drew without the fault (before, the weights differed from the step after the kill)."""
+    verify(tmp_path, "mid-step,sigterm", num_workers="2")
 
 
 def test_the_oldest_accelerate_the_extra_accepts(tmp_path):

@@ -1,15 +1,16 @@
 """PyTorch Lightning: examples/lightning/train.py is examples/lightning/train_plain.py, a plain Lightning script
-(digits in a LightningDataModule, a CNN with BatchNorm and dropout, SGD with momentum and a StepLR per epoch, a
-training loss logged on step and epoch and validation metrics synced across ranks, ModelCheckpoint on the
-validation loss, LearningRateMonitor, a CSV logger, `seed_everything`), changed in 2 lines: the import and the
-Trainer's strategy. 3 ranks, real processes: `trainguard verify` kills rank 1 in a training step, inside the first
-epoch's validation (the metric's all_reduce as the validation ends), right after the epoch's last step, kills the
-scheduler, and SIGTERMs then runs the same command again. Every tensor of every rank's model, optimizer, scheduler
-and Lightning's bookkeeping (its loops' progress, ModelCheckpoint's state, every rank's logged values) is
-`torch.equal` to the run without a fault, and rank 0 prints the same epoch lines (their training loss is the mean of
-every rank's accumulated values, the replacement's included). Each verify run goes to step 24 (15 a epoch); two
-whole runs, with and without a kill in the last validation, end with the same checkpoint. Gradient accumulation with
-a schedule per update, a job started from Lightning's own checkpoint, FSDP2 through Lightning's model-parallel
+(digits in a LightningDataModule with random shifts and noise drawn in `__getitem__` from torch's global generator,
+a CNN with BatchNorm and dropout, SGD with momentum and a StepLR per epoch, a training loss logged on step and epoch
+and validation metrics synced across ranks, ModelCheckpoint on the validation loss, LearningRateMonitor, a CSV
+logger, `seed_everything`), changed in 2 lines: the import and the Trainer's strategy. 3 ranks, real processes:
+`trainguard verify` kills rank 1 in a training step, inside the first epoch's validation (the metric's all_reduce as
+the validation ends), right after the epoch's last step, kills the scheduler, and SIGTERMs then runs the same
+command again. Every tensor of every rank's model, optimizer, scheduler and Lightning's bookkeeping (its loops'
+progress, ModelCheckpoint's state, every rank's logged values) is `torch.equal` to the run without a fault, and rank
+0 prints the same epoch lines (their training loss is the mean of every rank's accumulated values, the replacement's
+included). Each verify run goes to step 24 (15 a epoch); two whole runs, with and without a kill in the last
+validation, end with the same checkpoint. Gradient accumulation with a schedule per update, the augmentation drawn
+in two loader workers, a job started from Lightning's own checkpoint, FSDP2 through Lightning's model-parallel
 strategy (`--strategy fsdp`: the port's third line), what the strategy refuses, and the oldest Lightning the extra
 accepts (2.4.0) have their own tests."""
 
@@ -133,6 +134,13 @@ def test_gradient_accumulation_with_a_schedule_stepped_per_update(tmp_path):
     restore does the 7th update's rest again (its OneCycleLR step): the schedule is stepped once, not twice."""
     proc = verify(tmp_path, "mid-step,epoch-end", "--grad_accum", "2", "--schedule", "step", steps=14)
     assert "at step 7, after its first training forward" in proc.stdout and "right after step 8" in proc.stdout
+
+
+def test_augmentation_drawn_in_two_loader_workers_is_bit_identical_after_a_kill_and_a_rerun(tmp_path):
+    """`--num_workers 2`: the random shifts and noise are drawn in loader workers seeded when each pass's iterator is
+    made, at the pass's first fetch, which a restore reads again: keyed (train/state/streams.py), the workers draw
+    what they drew without the fault (before, the weights and the best checkpoints' record differed)."""
+    verify(tmp_path, "mid-step,sigterm", "--num_workers", "2")
 
 
 def test_a_job_started_from_lightnings_own_checkpoint(tmp_path):

@@ -54,21 +54,21 @@ class Augmented(Dataset):
         return image + 0.05 * torch.randn_like(image), self.labels[i]
 
 
-def get_dataloaders(batch_size):
+def get_dataloaders(batch_size, num_workers=0):
     images, labels = load_digits(return_X_y=True)
     images = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
     labels = torch.tensor(labels)
     split = int(0.8 * len(images))
     train = Augmented(images[:split], labels[:split])
     evaluation = TensorDataset(images[split:], labels[split:])
-    return (DataLoader(train, batch_size=batch_size, shuffle=True),
+    return (DataLoader(train, batch_size=batch_size, shuffle=True, num_workers=num_workers),
             DataLoader(evaluation, batch_size=2 * batch_size, shuffle=False))
 
 
 def training_function(args):
     accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum)
     set_seed(args.seed)
-    train_dataloader, eval_dataloader = get_dataloaders(args.batch_size)
+    train_dataloader, eval_dataloader = get_dataloaders(args.batch_size, args.num_workers)
     model = Net(args.channels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -137,6 +137,7 @@ def main():
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--grad_accum", type=int, default=2)
+    parser.add_argument("--num_workers", type=int, default=0, help="the training loader's worker processes")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--output_dir", default="out")
     parser.add_argument("--checkpointing_steps", default="epoch")

@@ -41,9 +41,9 @@ class Augmented(Dataset):
 
 
 class DigitsData(L.LightningDataModule):
-    def __init__(self, batch_size: int = 32):
+    def __init__(self, batch_size: int = 32, num_workers: int = 0):
         super().__init__()
-        self.batch_size = batch_size
+        self.batch_size, self.num_workers = batch_size, num_workers
 
     def setup(self, stage=None):
         images, labels = load_digits(return_X_y=True)
@@ -54,7 +54,7 @@ class DigitsData(L.LightningDataModule):
         self.val_set = TensorDataset(images[split:], labels[split:])
 
     def train_dataloader(self):
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
 
     def val_dataloader(self):
         return DataLoader(self.val_set, batch_size=2 * self.batch_size)
@@ -124,6 +124,7 @@ def main():
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--channels", type=int, default=16)
     parser.add_argument("--grad_accum", type=int, default=1)
+    parser.add_argument("--num_workers", type=int, default=0, help="the training loader's worker processes")
     parser.add_argument("--schedule", choices=["epoch", "step"], default="epoch")
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--seed", type=int, default=42)
@@ -149,7 +150,7 @@ def main():
         log_every_n_steps=5,
         enable_progress_bar=False,
     )
-    trainer.fit(model, datamodule=DigitsData(args.batch_size), ckpt_path=args.ckpt_path)
+    trainer.fit(model, datamodule=DigitsData(args.batch_size, args.num_workers), ckpt_path=args.ckpt_path)
 
 
 if __name__ == "__main__":
