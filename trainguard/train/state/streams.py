@@ -29,9 +29,10 @@ is then the same in every run; the step's own draws (a forward's dropout) come a
 
 So whatever the script draws after a step's last forward and before the next step begins, other than a fetch
 (the optimizer, the code after the step, an eval on one rank, a loader's next pass), comes from key ``k/M`` in the
-run without a fault and in every run that comes back to step ``c``: the script, run again from the top, passes `start_step()` (the restore), then draws the same numbers in the same order. What the
-script drew before the restore (its model's initialisation, a value drawn before `start_step()` and kept)
-is not covered: it is redrawn from the script's own seed, or from another stream.
+run without a fault and in every run that comes back to step ``c``: the script, run again from the top, passes
+`start_step()` (the restore), then draws the same numbers in the same order. What the script drew before the
+restore (its model's initialisation, a value drawn before `start_step()` and kept) is not covered: it is redrawn
+from the script's own seed, or from another stream.
 """
 
 from __future__ import annotations
