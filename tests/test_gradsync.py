@@ -72,6 +72,7 @@ def _exchange(rank: int, world: int, init: str, out: str) -> None:
         dist.all_reduce(g)
     results["expected"] = [g / world for g in own]
     torch.save(results, f"{out}/rank{rank}.pt")
+    dist.barrier()  # no rank leaves while a peer's last exchange may still be talking to it (gloo aborts at exit)
     dist.destroy_process_group()
 
 
@@ -129,6 +130,9 @@ def _riders(rank: int, world: int, init: str, out: str, dtype_name: str) -> None
     torch.save({"riding": (sync.share.riding, rows.riding), "rows": rows.rows, "mine": mine,
                 "buffers": [b.clone() for b in buffers], "grads": [p.grad.clone() for p in model.parameters()]},
                f"{out}/rank{rank}.pt")
+    sync.detach()
+    sync.close()
+    dist.barrier()  # no rank leaves while a peer's last exchange may still be talking to it (gloo aborts at exit)
     dist.destroy_process_group()
 
 

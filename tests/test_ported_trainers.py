@@ -17,11 +17,12 @@ are the originals), under `trainguard run` with 3 ranks:
   epoch its own step count gives (a kill at an epoch's end resumes in the next pass, at the same batch), and with
   epochs that end inside an accumulation cycle (a step takes the last batch of one pass and the first of the next:
   the run without a fault trains to its end, and a kill in such a step is bit-identical).
-- prefetch.py: the next batch taken during the step (between the backward and `optimizer.step()`), the training
-  set augmenting in `__getitem__` from torch's global generator, one and two micro-batches a step, under `trainguard
-  verify`: every fault is bit-identical (the position counted that batch in the step that fetched it, a restore
-  skipped it, and the run ended with exit 0, "lost 0 steps" and other weights; at an epoch's end the scheduler
-  stepped twice).
+- prefetch.py: a batch taken ahead (during the step, between the backward and `optimizer.step()`; or by a
+  prefetcher that takes the next batch before it hands out the current one, as timm's and apex's do), and each
+  forward fed two batches; the training set augmenting in `__getitem__` from torch's global generator and a mixup
+  weight drawn from NumPy's; one and two micro-batches a step; under `trainguard verify` every fault is
+  bit-identical (the position counted a batch taken ahead in the step that fetched it, a restore skipped it, and
+  the run ended with exit 0, "lost 0 steps" and other weights; at an epoch's end the scheduler stepped twice).
 - closure.py: `optimizer.step(closure)`, as torch's optimizer docs show it, killed in a step under `trainguard verify`;
   LBFGS, which evaluates its closure several times a step, ends the job at once with exit 78 naming the fix.
 - torch's and trainguard's DDP write and read the same `state_dict()` (keys prefixed "module."), so a script's own
@@ -174,19 +175,24 @@ def test_a_loop_over_steps_fed_by_a_cycling_generator_is_bit_identical(tmp_path,
         assert "the first epoch's last" in rows[0], rows
 
 
-@pytest.mark.parametrize("accum", ["1", "2"])
-def test_a_batch_taken_during_the_step_with_a_global_generator_augmentation_is_bit_identical(tmp_path, accum):
+@pytest.mark.parametrize("shape, accum, trained", [
+    ("during", "1", 1),  # the next batch taken between the backward and optimizer.step()
+    ("during", "2", 2),  # and after each micro-batch's forward
+    ("ahead", "2", 2),  # a prefetcher that takes the next batch before it hands out the current one (timm, apex)
+    ("concat", "1", 2),  # no prefetch: each forward takes two batches
+])
+def test_a_batch_taken_ahead_with_global_generator_draws_is_bit_identical(tmp_path, shape, accum, trained):
     cmd = [sys.executable, "-m", "trainguard", "verify", "--steps", "16", "--keep", str(tmp_path), "--workers",
            str(WORKERS), "--faults", "mid-step,after-commit,epoch-end,sigterm", str(JOBS / "prefetch.py"), "--accum",
-           accum]
+           accum, "--shape", shape]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(TG_EXACT=""), capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("kill -9", "SIGTERM"))]
     assert len(rows) == 4 and all(" identical" in r for r in rows), proc.stdout
-    steps = 12 // int(accum)  # 12 batches a rank an epoch
+    steps = 12 // trained  # 12 batches a rank an epoch
     assert f"right after step {steps}, the first epoch's last" in proc.stdout, proc.stdout
     resumed = (tmp_path / "mid-step" / "launcher.log").read_text()
-    position = f"resumed at step 8 (epoch {8 // steps}, batch {8 % steps * int(accum)})"  # not one batch further
+    position = f"resumed at step 8 (epoch {8 // steps}, batch {8 % steps * trained})"  # the batches trained
     assert position in resumed, resumed[-2000:]
 
 

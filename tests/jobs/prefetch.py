@@ -1,7 +1,14 @@
-"""A data-parallel trainer that overlaps loading with compute: the next batch is taken from the loader during the
-step, between the backward and `optimizer.step()` (as the hand-written prefetchers of ImageNet-style trainers do),
-and the training set augments in `__getitem__` from torch's global generator (a random shift and noise, as
-torchvision's random transforms draw), with no loader workers. A CNN with BatchNorm and dropout, SGD with
+"""A data-parallel trainer that overlaps loading with compute, in one of two shapes:
+
+- `--shape during`: the next batch is taken from the loader during the step, between the backward and
+  `optimizer.step()`;
+- `--shape ahead`: the loader is wrapped in a prefetcher that takes the next batch before it hands out the current
+  one (timm's `PrefetchLoader`, apex's `data_prefetcher`; here without CUDA streams);
+- `--shape concat`: no prefetch, but each forward takes two batches of the loader, concatenated.
+
+The training set augments in `__getitem__` from torch's global generator (a random shift and noise, as
+torchvision's random transforms draw), with no loader workers, and the loop mixes each batch with a rolled copy of
+itself by a weight drawn from NumPy's global generator (mixup). A CNN with BatchNorm and dropout, SGD with
 momentum, a StepLR per epoch; `--accum 2` takes two micro-batches a step under `no_sync()`. Ported from torchrun
 by its imports, `tg.Optimizer` and `tg.start_epoch()`. Run it under `trainguard run` (or `trainguard verify`)."""
 
@@ -10,6 +17,7 @@ import contextlib
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -35,9 +43,26 @@ class Augmented(Dataset):
         return image + 0.05 * torch.randn_like(image), self.labels[i]
 
 
+class Prefetcher:
+    """Takes the next batch before handing out the current one."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        it = iter(self.loader)
+        current = next(it, None)
+        for upcoming in it:
+            yield current
+            current = upcoming
+        if current is not None:
+            yield current
+
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--accum", type=int, default=1)
+parser.add_argument("--shape", choices=["during", "ahead", "concat"], default="during")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -52,25 +77,55 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
 opt = tg.Optimizer(opt, lr_scheduler=sched)
 
+
+def mixed(images, labels):
+    lam = float(np.random.beta(0.4, 0.4))
+    return lam * images + (1 - lam) * images.roll(1, 0), labels, labels.roll(1, 0), lam
+
+
+def micro_step(batch, sync):
+    images, a, b, lam = mixed(*batch)
+    with sync:
+        out = model(images)
+        loss = (lam * F.cross_entropy(out, a) + (1 - lam) * F.cross_entropy(out, b)) / args.accum
+        loss.backward()
+    return loss
+
+
 for epoch in range(tg.start_epoch(), args.epochs):
     sampler.set_epoch(epoch)
     model.train()
-    it = iter(loader)
-    batch = next(it, None)
     losses = []
-    while batch is not None:
-        opt.zero_grad()
-        for micro in range(args.accum):
-            images, labels = batch
-            sync = model.no_sync() if micro < args.accum - 1 else contextlib.nullcontext()
-            with sync:
-                loss = F.cross_entropy(model(images), labels) / args.accum
-                loss.backward()
-            batch = next(it, None)  # the next batch, loaded while this step finishes
-            if batch is None:
-                break
-        opt.step()
-        losses.append(loss.item())
+    if args.shape == "during":
+        it = iter(loader)
+        batch = next(it, None)
+        while batch is not None:
+            opt.zero_grad()
+            for micro in range(args.accum):
+                loss = micro_step(batch, model.no_sync() if micro < args.accum - 1 else contextlib.nullcontext())
+                batch = next(it, None)  # the next batch, loaded while this step finishes
+                if batch is None:
+                    break
+            opt.step()
+            losses.append(loss.item())
+    elif args.shape == "concat":
+        it = iter(loader)
+        for first in it:
+            second = next(it, None)
+            if second is not None:
+                first = (torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]))
+            opt.zero_grad()
+            loss = micro_step(first, contextlib.nullcontext())
+            opt.step()
+            losses.append(loss.item())
+    else:
+        for i, batch in enumerate(Prefetcher(loader)):
+            last = (i + 1) % args.accum == 0 or i + 1 == len(loader)
+            loss = micro_step(batch, contextlib.nullcontext() if last else model.no_sync())
+            if last:
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
     sched.step()
     if dist.get_rank() == 0:
         print(f"epoch {epoch}: {len(losses)} steps", flush=True)

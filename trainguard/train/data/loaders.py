@@ -122,9 +122,9 @@ class _OtherBatches:
                 session.passes.end(session.state)  # its next pass begins the next epoch
             raise
         if trains:
-            _took_training_batch(self.guard, batch, self.loader.tg_index)
+            _took_training_batch(self.guard, batch, self.loader)
         else:
-            self.guard.training_batch(self.loader.tg_index)
+            self.guard.training_batch(self.loader.tg_index, not getattr(self.loader, "replays_pass", False))
         return batch
 
 
@@ -178,6 +178,7 @@ class _TrainingBatches:
         guard.poll()
         if session.restores != self.restores:  # recovered in place (started by hand): from the committed position
             self.restores = session.restores
+            guard.batches.restore(session.passes.ahead)
             self.it = self._from_position()
         try:
             batch = self._fetch(self.it)
@@ -185,7 +186,7 @@ class _TrainingBatches:
             if passes.pass_done(taken(guard), self.loader):
                 session.passes.end(session.state)
             raise
-        _took_training_batch(guard, batch, self.loader.tg_index)
+        _took_training_batch(guard, batch, self.loader)
         return batch
 
 
@@ -196,10 +197,10 @@ class _TrainingBatches:
         return next(it)
 
 
-def _took_training_batch(guard, batch, loader: int) -> None:
-    guard.took_batch()
-    if not guard.in_step:
-        guard.begin_step(batch, loader=loader)
+def _took_training_batch(guard, batch, loader) -> None:
+    # a framework's loader counts its fetches (batches.py); one taken ahead before a restore begins no step
+    if guard.batches.took(not getattr(loader, "replays_pass", False)) and not guard.in_step:
+        guard.begin_step(batch, loader=loader.tg_index)
 
 
 def taken(guard) -> int:

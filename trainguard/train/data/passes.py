@@ -36,12 +36,13 @@ class Passes:
         self.ended = False  # the pass over the current epoch ran to its end in this process
         self.end_state: dict | None = None  # TrainState.hyperparameters() at that end, until the next commit
         self.committed: tuple[int, int, int | None] = (0, 0, None)  # (epoch, in_epoch, label) at the last commit
+        self.ahead = 0  # and the batch its step took ahead (train/engine/batches.py), which travels with it
 
-    def commit(self, epoch: int, in_epoch: int, state=None) -> None:
+    def commit(self, epoch: int, in_epoch: int, state=None, ahead: int = 0) -> None:
         """The position is committed as it stands (a commit with its `state`, a restore, a fresh job's first epoch).
         A pass that ended before its last step committed (the loop took the next batch during that step, and there
         was none) ends at this commit: the code after it starts from the hyperparameters as they are now."""
-        self.committed = (epoch, in_epoch, self.label)
+        self.committed, self.ahead = (epoch, in_epoch, self.label), ahead
         self.end_state = state.hyperparameters() if self.ended and state is not None else None
 
     def restore(self, label: int | None) -> None:

@@ -1,45 +1,75 @@
 """How many of the training loader's batches a step takes: what a commit adds to the position (the batches of the
 epoch taken by committed steps), from which a restore reads on.
 
-A step takes the batches fetched from its beginning to its commit (gradient accumulation takes several), except
-those fetched after its last training forward: a loop that takes the next batch during the step (a prefetch:
-`batch = next(it)` between the backward and `optimizer.step()`) trains it in the next step, which counts it as its
-own. Counted in the step that fetched it, the position ran one batch ahead of what was trained, and a restore
-skipped a batch. A fetch the guard sees no training forward around (a model trainguard does not wrap) counts in
-the step that fetched it.
+Each training forward trains one batch, in the order they were fetched; a batch fetched and not yet trained when
+the step commits was taken ahead, and is the next step's. Loops take one ahead in two shapes: the next batch taken
+during the step (`batch = next(it)` between the backward and `optimizer.step()`), and a prefetcher that takes the
+next batch before it hands out the current one (timm's `PrefetchLoader`, apex's `data_prefetcher`). Counted in the
+step that fetched it, the position ran one batch ahead of what was trained, and a restore skipped a batch. The
+batch taken ahead travels with the committed position (`ahead`), and after a restore the loop's first fetch of it
+neither counts again nor begins a step, as in the run without the fault, where the step began later.
+
+A step that fetched two batches or more beyond its forwards feeds several batches to a forward (a concatenation):
+from then on no batch counts as taken ahead (`ahead` is then `SEVERAL`, and travels so). The first such step, alike to a
+prefetcher's first, counted one batch short until the next commit. A framework's loader, whose own loop fetches
+ahead inside its iterator (Accelerate's) or is accounted by the integration (Lightning's), counts its fetches, as
+does a step whose forwards the guard does not see (a model trainguard does not wrap).
 """
 
 from __future__ import annotations
 
+SEVERAL = 2  # `ahead` (else 0 or 1) of a job whose forwards take several batches each: none is ever taken ahead
+
 
 class StepBatches:
-    def __init__(self) -> None:
+    def __init__(self, ahead: int = 0) -> None:
         self.fetched = 0  # training batches of this pass since the last commit
-        self.after_forward = 0  # of those, fetched after the step's last training forward so far
-        self.ahead = 0  # fetched by the last committed step after its last training forward: this step's first
+        self.forwards = 0  # training forwards since the last commit
+        self.lookahead = True  # the training loader is trainguard's (a framework's counts its fetches)
         self.rolled = False  # the training loader began its next pass since the last commit
+        self.restore(ahead)
 
-    def took(self, after_a_forward: bool) -> None:
-        """A training batch was fetched; `after_a_forward`: in a step that already ran a training forward."""
+    def restore(self, ahead: int) -> None:
+        """The committed position's `ahead`: that many of the loop's next fetches are batches the committed step had
+        taken, fetched again."""
+        self.several = ahead == SEVERAL
+        self.ahead = self.carried = 0 if self.several else ahead
+        self.fetched = self.forwards = 0
+        self.rolled = False
+
+    def took(self, lookahead: bool) -> bool:
+        """A training batch was fetched (`lookahead`: from trainguard's loader). False: one taken ahead before the
+        restore, fetched again, which neither counts again nor begins a step."""
+        self.lookahead = lookahead
+        if self.carried:
+            self.carried -= 1
+            return False
         self.fetched += 1
-        if after_a_forward:
-            self.after_forward += 1
+        return True
 
     def forward(self) -> None:
-        """A training forward of the step returned: the batches fetched before it were its step's."""
-        self.after_forward = 0
+        self.forwards += 1
 
     def new_pass(self) -> None:
         """The training loader began its next pass: the position counts the new pass's batches."""
-        self.fetched, self.after_forward, self.ahead, self.rolled = 0, 0, 0, True
+        self.fetched = self.forwards = self.ahead = self.carried = 0
+        self.rolled = True
 
     def pending(self) -> int:
-        """Batches of this pass fetched since the last commit, with the one the last step took ahead."""
+        """Batches of this pass fetched and not committed: since the last commit, and the one taken ahead."""
         return self.fetched + self.ahead
 
     def commit(self) -> int:
         """The step commits: the batches it adds to the position (at least one, within a pass)."""
-        taken = self.fetched - self.after_forward + self.ahead
-        batches = taken if self.rolled else max(1, taken)
-        self.fetched, self.ahead, self.after_forward, self.rolled = 0, self.after_forward, 0, False
+        pending = self.pending()
+        extra = pending - self.forwards if self.forwards and self.lookahead and not self.several else 0
+        if extra > 1:
+            self.several, extra = True, 0
+        ahead = max(extra, 0)
+        batches = pending - ahead if self.rolled else max(1, pending - ahead)
+        self.fetched, self.forwards, self.ahead, self.carried, self.rolled = 0, 0, ahead, 0, False
         return batches
+
+    def committed_ahead(self) -> int:
+        """What travels with the position (pure read)."""
+        return SEVERAL if self.several else self.ahead

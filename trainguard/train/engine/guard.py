@@ -122,6 +122,7 @@ class Guard:
         self._armed = session.stop.armed()
         self._armed.__enter__()  # SIGTERM/SIGINT/SIGUSR1: a graceful stop at the next commit point
         session.start()
+        self.batches.restore(session.passes.ahead)
         if session.step:  # the job's optimizer has stepped: its schedulers are not warned that they step first
             discover.resumed_schedulers([opt.lr_scheduler, *self.stateful.values()])
         tail.restored()
@@ -197,7 +198,7 @@ class Guard:
             audit.report(session, found)
         self.step_loader = loader if loader is not None else self.recent_loader
 
-    def training_batch(self, loader: int) -> bool:
+    def training_batch(self, loader: int, lookahead: bool) -> bool:
         """A batch came through a plain pass: a candidate for the training loader if drawn in training mode (grad
         on, the model in train mode) before the job knows which loader that is; the training loader's own pass
         that was already under way when the first commit named it counts on."""
@@ -206,12 +207,9 @@ class Guard:
             return False
         if self.model is None or (torch.is_grad_enabled() and self.model.training):
             self.recent_loader = loader
-            self.took_batch()
+            self.batches.took(lookahead)
             return True
         return False
-
-    def took_batch(self) -> None:
-        self.batches.took(self.in_step and self.session.streams.forwards > 0)
 
     # --- the commit point ------------------------------------------------------------------------
 
@@ -223,7 +221,7 @@ class Guard:
         if not self.in_step:
             self.begin_step()
         self.in_step = False
-        batches = self.batches.commit()
+        batches = self.batches.commit()  # batches.py: one taken ahead is the next step's
         try:
             result = self.optimizer.optimizer.step()
             if closure is not None:
@@ -234,7 +232,7 @@ class Guard:
             return None
         if session.train_loader is None and self.step_loader is not None:  # before the commit: its copies and
             session.train_loader = self.step_loader  # checkpoints name the loader that drives the steps from now on
-        session.end_step(None, batches)
+        session.end_step(None, batches, self.batches.committed_ahead())
         self.recent_loader = None
         tail.committed()
         return result

@@ -244,12 +244,12 @@ class Session:
             self.live.begin_step()
         return step
 
-    def end_step(self, failure: BaseException | None, batches: int = 1) -> None:
+    def end_step(self, failure: BaseException | None, batches: int = 1, ahead: int = 0) -> None:
         """The commit point: commit (if the update was applied, or there is none to apply) or skip, then
         recover if anything failed or the cluster moved on. `batches`: the training batches the step took
-        (more than one with gradient accumulation)."""
+        (more than one with gradient accumulation); `ahead`: one it took for the next step (batches.py)."""
         if failure is None or self._applied:
-            self._advance(batches)
+            self._advance(batches, ahead)
             if self.buffers is not None:
                 self.buffers.commit()
         else:
@@ -282,17 +282,16 @@ class Session:
         else:
             self._recover(form=True, reason=reason)
 
-    def _advance(self, batches: int = 1) -> None:
+    def _advance(self, batches: int = 1, ahead: int = 0) -> None:
         """This rank's state is now at the next step: count it (and key the streams, where the step had no training
         forward the guard saw: streams.py). In the user's own loop the epoch rolls only when the training loader
-        starts the next one (`roll_epoch`): until then the job is at the end of this epoch's training, before the
-        code that follows it (eval)."""
+        starts the next one (`roll_epoch`): until then the job is at its epoch's end, before the code after it."""
         self.step += 1
         self.in_epoch += batches
         if not self.user_loop and self.steps_per_epoch and self.in_epoch - self.phase.start >= self.steps_per_epoch:
             self.roll_epoch(self.epoch + 1)
         self.streams.committed(self.step)
-        self.passes.commit(self.epoch, self.in_epoch, self.state)
+        self.passes.commit(self.epoch, self.in_epoch, self.state, ahead)
 
     def roll_epoch(self, epoch: int) -> None:
         self.epoch, self.in_epoch, self.iterator = epoch, 0, None
@@ -336,7 +335,8 @@ class Session:
     def own(self) -> dict:
         """What a peer or a checkpoint needs besides the objects' states: the position, the job's seed, and
         which of the script's loaders drives the steps."""
-        own = {"progress": self.progress(), "seed": self.streams.seed, "forwards": self.streams.committed_forwards}
+        own = {"progress": self.progress(), "seed": self.streams.seed, "forwards": self.streams.committed_forwards,
+               "ahead": self.passes.ahead}
         if self.passes.committed[2] is not None:
             own["label"] = self.passes.committed[2]
         if self.train_loader is not None:
@@ -397,4 +397,4 @@ class Session:
             self.streams.seed = 0
         self.streams.committed_forwards = bounded(own, "forwards", 1 << 31, 0)  # before it travelled: 0
         self.passes.restore(bounded(own, "label", 1 << 63, None))
-        self.passes.commit(self.epoch, self.in_epoch)
+        self.passes.commit(self.epoch, self.in_epoch, ahead=bounded(own, "ahead", 3, 0))  # before it travelled: 0
