@@ -201,6 +201,20 @@ def test_a_batch_taken_ahead_with_global_generator_draws_is_bit_identical(tmp_pa
     assert position in resumed, resumed[-2000:]
 
 
+def test_a_sum_over_the_epochs_batches_after_a_resume_at_its_end_ends_the_job_at_once_naming_why(tmp_path):
+    """run_clm_no_trainer's shape: `total_loss = 0`, `total_loss += loss.detach()` in the loop, `total_loss.item()`
+    after it. A kill right after the epoch's last step sends every rank back there; the loop takes no batch, and every
+    rank raises AttributeError on the int. Before, the ranks' error vote compared the step each had last begun (a
+    replacement had begun none), disagreed, and the job restarted every worker, lost the live state and gave up,
+    naming the kill as its root cause. Now it ends at once, exit 78, naming the error and why the sum is empty."""
+    proc = run("prefetch.py", tmp_path, ["--sum-loss", "--epochs", "2"], faults="1:12:kill")
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "AttributeError: 'int' object has no attribute 'item'" in proc.stderr
+    assert "every rank raised it at the same step" in proc.stderr
+    assert "resumed after epoch 0's last batch" in proc.stderr and "register_state" in proc.stderr
+    assert proc.stderr.count("restarting worker") == 1 and "giving up" not in proc.stderr  # only the killed one
+
+
 def test_an_imagenet_style_trainer_written_blind_is_bit_identical_at_every_fault(tmp_path):
     original, port = ((JOBS / name).read_text().split('"""', 2)[2] for name in ("imagenet_style_torchrun.py",
                                                                               "imagenet_style.py"))

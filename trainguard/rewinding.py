@@ -16,6 +16,7 @@ _handler: Callable[[BaseException], bool] | None = None
 _at_end: Callable[[], bool] | None = None
 _same_everywhere: Callable[[str], bool] | None = None
 _holding: Callable[[], bool] | None = None
+_context: Callable[[], str] | None = None
 _available = False
 
 
@@ -51,6 +52,16 @@ def set_error_vote(vote: Callable[[str], bool] | None) -> None:
     """`vote(signature)`: True if every rank of the job raised an error with this signature at the same step."""
     global _same_everywhere
     _same_everywhere = vote
+
+
+def set_error_context(context: Callable[[], str] | None) -> None:
+    """`context()`: where this run of the script stands, when that explains an error it raised ("" otherwise)."""
+    global _context
+    _context = context
+
+
+def error_context() -> str:
+    return _context() if _context is not None else ""
 
 
 def raised_everywhere(signature: str) -> bool:

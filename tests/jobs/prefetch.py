@@ -63,6 +63,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--accum", type=int, default=1)
 parser.add_argument("--shape", choices=["during", "ahead", "concat"], default="during")
+parser.add_argument("--sum-loss", action="store_true", help="print the epoch's loss summed as run_clm_no_trainer does "
+                    "(`total_loss = 0`, `total_loss += loss.detach()`, `total_loss.item()` after the loop)")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -95,7 +97,7 @@ def micro_step(batch, sync):
 for epoch in range(tg.start_epoch(), args.epochs):
     sampler.set_epoch(epoch)
     model.train()
-    losses = []
+    losses, total_loss = [], 0
     if args.shape == "during":
         it = iter(loader)
         batch = next(it, None)
@@ -108,6 +110,7 @@ for epoch in range(tg.start_epoch(), args.epochs):
                     break
             opt.step()
             losses.append(loss.item())
+            total_loss += loss.detach()
     elif args.shape == "concat":
         it = iter(loader)
         for first in it:
@@ -127,6 +130,8 @@ for epoch in range(tg.start_epoch(), args.epochs):
                 opt.zero_grad()
                 losses.append(loss.item())
     sched.step()
+    if args.sum_loss:
+        print(f"epoch {epoch}: train loss {total_loss.item() / len(loader)}", flush=True)
     if dist.get_rank() == 0:
         print(f"epoch {epoch}: {len(losses)} steps", flush=True)
 dist.destroy_process_group()

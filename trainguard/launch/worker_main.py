@@ -180,6 +180,8 @@ def _fail(script: str, exc: BaseException) -> NoReturn:
         if not rewinding.raised_everywhere(signature(exc)):
             raise SystemExit(1) from None
         line += " (every rank raised it at the same step)"
+    if context := rewinding.error_context():
+        line += f"; {context}"
     print(DETERMINISTIC_MARK + line, file=sys.stderr, flush=True)
     raise SystemExit(EXIT_CONFIG_ERROR) from None
 

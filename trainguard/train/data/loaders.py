@@ -140,6 +140,8 @@ class _TrainingBatches:
         if (session.passes.ended and done) or session.passes.next_pass(label, done):
             session.roll_epoch(session.epoch + 1)  # the next epoch's pass begins (set_epoch's number is only its label)
             guard.batches.new_pass()
+        else:
+            session.passes.begun_at_end = done  # resumed after the epoch's last batch: the loop body runs for none
         session.passes.begin(label, step=session.step, epoch=session.epoch, in_epoch=session.in_epoch)
         self.it = self._from_position()
 

@@ -37,12 +37,13 @@ class Passes:
         self.end_state: dict | None = None  # TrainState.hyperparameters() at that end, until the next commit
         self.committed: tuple[int, int, int | None] = (0, 0, None)  # (epoch, in_epoch, label) at the last commit
         self.ahead = 0  # and the batch its step took ahead (train/engine/batches.py), which travels with it
+        self.begun_at_end = False  # a restored position's pass began at its end: the loop took no batch since
 
     def commit(self, epoch: int, in_epoch: int, state=None, ahead: int = 0) -> None:
         """The position is committed as it stands (a commit with its `state`, a restore, a fresh job's first epoch).
         A pass that ended before its last step committed (the loop took the next batch during that step, and there
         was none) ends at this commit: the code after it starts from the hyperparameters as they are now."""
-        self.committed, self.ahead = (epoch, in_epoch, self.label), ahead
+        self.committed, self.ahead, self.begun_at_end = (epoch, in_epoch, self.label), ahead, False
         self.end_state = state.hyperparameters() if self.ended and state is not None else None
 
     def restore(self, label: int | None) -> None:

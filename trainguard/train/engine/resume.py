@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+from ... import rewinding
+from . import guard as guard_mod
 from .guard import current
 
 
@@ -40,3 +42,19 @@ def restored() -> bool:
     """True once this process's state came from a restore (a replacement, a run of the script after a fault, a
     resume from disk): what the script writes now may be written again, where its run before the fault wrote it."""
     return bool(current().ensure_started().source)
+
+
+def error_context() -> str:
+    """Beside an error the script raised (launch/worker_main.py): a run that resumed after an epoch's last batch, whose
+    loop took no batch, leaves a value the script sums over the epoch's batches as it started (docs/porting.md)."""
+    guard = guard_mod.active()
+    session = guard.session if guard is not None else None
+    if session is None or not session.passes.begun_at_end:
+        return ""
+    return (f"this run of the script resumed after epoch {session.epoch}'s last batch (the fault came after it, in the "
+            "code that follows the loop), so its loop took no batch: a value summed over the epoch's batches in a plain "
+            "variable (`total_loss += loss`) still holds its first value; log one that holds with no batch "
+            "(`float(total_loss)`), or keep it in an object given to trainguard.register_state (docs/porting.md)")
+
+
+rewinding.set_error_context(error_context)

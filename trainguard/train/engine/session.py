@@ -90,8 +90,7 @@ class Session:
         self.source = ""  # where the last restore took this rank's state from
         self.user_loop = False  # driven from the user's own loop (guard.py): it decides the end, its epochs roll
         # when the training loader starts the next one, and a recovery noticed after a commit waits for the next step
-        self.rewinds = False  # a fault sends the script back to its committed step (train/engine/rewind.py) instead of
-        # recovering in place
+        self.rewinds = False  # a fault sends the script back to its committed step (rewind.py), not recovering in place
         self.train_loader: int | None = None  # which of the script's loaders drives the steps (by creation order)
         self.passes = Passes()  # the training loader's passes: their labels, and the position at the last commit
         self._pending: str | None = None  # a recovery noticed after a commit, deferred to the next step
@@ -388,6 +387,7 @@ class Session:
     def take_progress(self, own: dict) -> None:
         progress = own["progress"]
         self.step, self.epoch, self.in_epoch = progress["step"], progress["epoch"], progress["in_epoch"]
+        self.rt.step = self.step  # every rank at the same step now (a replacement too: the error vote compares it)
         if own.get("loader") is not None:
             self.train_loader = int(own["loader"])
         self.phase = elastic.Phase.of(progress, self.rt.world_size)
