@@ -1,13 +1,15 @@
-"""The transformers Trainer: examples/transformers/train.py is examples/transformers/train_plain.py, a plain `Trainer`
-script (digits as a dataset of dicts, a model with BatchNorm and dropout that returns its loss, gradient accumulation,
-clipping, a linear schedule with warm-up stepped per step, an accuracy metric evaluated every epoch, the Trainer's own
-checkpoints), changed in its import. 3 ranks, real processes: `trainguard verify` kills rank 1 in a step, in the
-Trainer's log all-gather after a step, right after an epoch's last step (before its evaluation), and SIGTERMs then
-runs the same command again (the scheduler's kill, every rank rewound, is test_accelerate.py's); every tensor of every rank's model, optimizer, scheduler and the
-Trainer's bookkeeping (its state with the log history, the loss sums of every rank) is equal to the run without a fault,
-and rank 0 prints the same validation lines (each run goes to step 20 of 30, where verify takes the state). The oldest
-transformers the extra accepts (`trainguard[transformers]`, installed by scripts/setup.sh beside the pinned one)
-passes a kill in a step."""
+"""The transformers Trainer: examples/transformers/train.py is examples/transformers/train_plain.py, a plain
+`Trainer` script (digits as a dataset of dicts, a model with BatchNorm and dropout that returns its loss, gradient
+accumulation, clipping, a linear schedule with warm-up stepped per step, an accuracy metric evaluated every epoch,
+the Trainer's own checkpoints), changed in its import. 3 ranks, real processes: `trainguard verify` kills rank 1 in
+a step, in the Trainer's log all-gather after a step, right after an epoch's last step (before its evaluation), and
+SIGTERMs then runs the same command again (the scheduler's kill, every rank rewound, is test_accelerate.py's); every
+tensor of every rank's model, optimizer, scheduler and the Trainer's bookkeeping (its state with the log history,
+the loss sums of every rank) is equal to the run without a fault, and rank 0 prints the same validation lines (each
+run goes to step 20 of 30, where verify takes the state). The oldest transformers the extra accepts
+(`trainguard[transformers]`, installed by scripts/setup.sh beside the pinned one) passes a kill in a step. A masked-
+language-model trainer written blind (tests/jobs/hf_mlm.py, masks drawn in two loader workers) is identical after a
+kill and after a SIGTERM and rerun."""
 
 from __future__ import annotations
 
@@ -85,6 +87,19 @@ def test_a_fault_between_two_evaluations_with_the_best_model_loaded_at_the_end(t
                                      "        load_best_model_at_end=True,\n        metric_for_best_model=\"eval_loss\",\n"))
     verify_identical(tmp_path / "runs", script, "mid-step", ["--epochs", "3", "--output_dir", "out"], steps=40,
                      workers=WORKERS)
+
+
+def test_a_blind_masked_language_model_trainer_with_masks_drawn_in_loader_workers(tmp_path):
+    """tests/jobs/hf_mlm.py, written for torchrun by a helper who never saw trainguard in run_mlm.py's shape (a BERT from
+    a config, DataCollatorForLanguageModeling drawing the masks in 2 loader workers, evaluation and saves by steps,
+    load_best_model_at_end, EarlyStoppingCallback, a callback of its own), ported by its Trainer import. Each fetch of
+    the training loader is keyed, so the workers' seeds are the same after a restore (before, the state differed from
+    the step of the kill, and after a SIGTERM and rerun)."""
+    plain, port = ((REPO / "tests" / "jobs" / name).read_text().split('"""', 2)[2] for name in ("hf_mlm_plain.py",
+                                                                                                "hf_mlm.py"))
+    assert len(set(port.splitlines()) - set(plain.splitlines())) == 1  # the import
+    verify_identical(tmp_path, REPO / "tests" / "jobs" / "hf_mlm.py", "mid-step,sigterm",
+                     ["--max_steps", "40", "--output_dir", "out"], steps=24, workers=3)
 
 
 def test_the_oldest_transformers_the_extra_accepts(tmp_path):
