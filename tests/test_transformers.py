@@ -7,9 +7,9 @@ SIGTERMs then runs the same command again (the scheduler's kill, every rank rewo
 tensor of every rank's model, optimizer, scheduler and the Trainer's bookkeeping (its state with the log history,
 the loss sums of every rank) is equal to the run without a fault, and rank 0 prints the same validation lines (each
 run goes to step 20 of 30, where verify takes the state). The oldest transformers the extra accepts
-(`trainguard[transformers]`, installed by scripts/setup.sh beside the pinned one) passes a kill in a step. A masked-
-language-model trainer written blind (tests/jobs/hf_mlm.py, masks drawn in two loader workers) is identical after a
-kill and after a SIGTERM and rerun."""
+(`trainguard[transformers]`, installed by scripts/setup.sh beside the pinned one) passes a kill in a step. A
+masked-language-model trainer written blind (tests/jobs/hf_mlm.py, masks drawn in two loader workers) is identical
+after a kill and after a SIGTERM and rerun."""
 
 from __future__ import annotations
 
