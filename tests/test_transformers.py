@@ -90,8 +90,8 @@ def test_a_fault_between_two_evaluations_with_the_best_model_loaded_at_the_end(t
 
 
 def test_a_blind_masked_language_model_trainer_with_masks_drawn_in_loader_workers(tmp_path):
-    """tests/jobs/hf_mlm.py, written for torchrun by a helper who never saw trainguard in run_mlm.py's shape (a BERT from
-    a config, DataCollatorForLanguageModeling drawing the masks in 2 loader workers, evaluation and saves by steps,
+    """tests/jobs/hf_mlm.py, written for torchrun by a helper who never saw trainguard in run_mlm.py's shape (a BERT
+    from a config, DataCollatorForLanguageModeling drawing the masks in 2 loader workers, evaluation and saves by steps,
     load_best_model_at_end, EarlyStoppingCallback, a callback of its own), ported by its Trainer import. Each fetch of
     the training loader is keyed, so the workers' seeds are the same after a restore (before, the state differed from
     the step of the kill, and after a SIGTERM and rerun)."""

@@ -1,5 +1,5 @@
-"""Tiny masked-language-model pretraining with the Hugging Face Trainer. Written for torchrun by a helper who never saw trainguard (tests/jobs/hf_mlm_plain.py); ported by
-importing the Trainer from trainguard.compat.transformers.
+"""Tiny masked-language-model pretraining with the Hugging Face Trainer. Written for torchrun by a helper who
+never saw trainguard (tests/jobs/hf_mlm_plain.py); ported by importing the Trainer from trainguard.compat.transformers.
 
 Modelled on examples/pytorch/language-modeling/run_mlm.py, but self-contained:
   * a character-level tokenizer is built locally with the `tokenizers` library

@@ -1,5 +1,5 @@
-"""Tiny masked-language-model pretraining with the Hugging Face Trainer. Written for torchrun by a helper who never saw trainguard; tests/jobs/hf_mlm.py is this script under
-trainguard (its Trainer import).
+"""Tiny masked-language-model pretraining with the Hugging Face Trainer. Written for torchrun by a helper who
+never saw trainguard; tests/jobs/hf_mlm.py is this script under trainguard (its Trainer import).
 
 Modelled on examples/pytorch/language-modeling/run_mlm.py, but self-contained:
   * a character-level tokenizer is built locally with the `tokenizers` library
