@@ -53,8 +53,9 @@ def error_context() -> str:
         return ""
     return (f"this run of the script resumed after epoch {session.epoch}'s last batch (the fault came after it, in the "
             "code that follows the loop), so its loop took no batch: a value summed over the epoch's batches in a plain "
-            "variable (`total_loss += loss`) still holds its first value; log one that holds with no batch "
-            "(`float(total_loss)`), or keep it in an object given to trainguard.register_state (docs/porting.md)")
+            "variable (`total_loss += loss`) still holds its first value, if the error comes from one; log one that "
+            "holds with no batch (`float(total_loss)`), or keep it in an object given to trainguard.register_state "
+            "(docs/porting.md)")
 
 
 rewinding.set_error_context(error_context)
