@@ -95,10 +95,8 @@ class _OtherBatches:
     def __init__(self, loader: DataLoader, guard: "guard_mod.Guard"):
         self.loader, self.guard = loader, guard
         self.label = getattr(loader.sampler, "epoch", 0)
-        session = guard.session
         # before the first commit this may be the training loader's first pass: its fetches are keyed (streams.py)
-        self.keyed = fetch_pass(loader.tg_index, session.epoch) if session.train_loader is None else None
-        self.fetches = 0
+        self.fetches = _Fetches(loader, guard.session.epoch) if guard.session.train_loader is None else None
         self.it = loader.quiet_iter(guard.session) if is_stream(loader) else loader.plain_iter()
 
     def __iter__(self):
@@ -112,11 +110,8 @@ class _OtherBatches:
         self.guard.poll()
         if trains:
             session.passes.name(self.label)  # so that a loop resumed in another epoch's pass is told
-        if self.keyed is not None:
-            session.streams.fetch(self.keyed, self.fetches)
-            self.fetches += 1
         try:
-            batch = next(self.it)
+            batch = next(self.it) if self.fetches is None else self.fetches.take(session, self.it)
         except StopIteration:
             if trains and passes.pass_done(taken(self.guard), self.loader):
                 session.passes.end(session.state)  # its next pass begins the next epoch
@@ -124,7 +119,7 @@ class _OtherBatches:
         if trains:
             _took_training_batch(self.guard, batch, self.loader)
         else:
-            self.guard.training_batch(self.loader.tg_index, not getattr(self.loader, "replays_pass", False))
+            self.guard.training_batch(self.loader.tg_index, counts_ahead(self.loader))
         return batch
 
 
@@ -147,21 +142,20 @@ class _TrainingBatches:
 
     def _from_position(self):
         session, loader = self.guard.session, self.loader
-        self.keyed = fetch_pass(loader.tg_index, session.epoch)  # each fetch is keyed (streams.py)
         if not replays(loader):
             loader.sampler.set_position(session.in_epoch * loader.batch_size)
-            self.fetches = session.in_epoch
+            self.fetches = _Fetches(loader, session.epoch, session.in_epoch)  # each fetch is keyed (streams.py)
             return loader.quiet_iter(session)
         # no position to set: read the pass again up to the committed batch, from a saved state where the stream
         # keeps one (streamstate.py), else from the pass's start
         anchor = streamstate.resume_point(loader, session)
         start = anchor["at"] if anchor is not None else 0
         it = loader.quiet_iter(session, anchor)
-        self.fetches = start
+        self.fetches = _Fetches(loader, session.epoch, start)
         t0 = time.monotonic()
         last = None
         for _ in range(session.in_epoch - start):
-            last = self._fetch(it)
+            last = self.fetches.take(session, it)
         if getattr(loader, "replays_pass", False):
             loader.last_replayed = last  # the committed step's last batch, for a framework that ends that step
         if session.in_epoch and session.rt.rank == 0:
@@ -183,7 +177,7 @@ class _TrainingBatches:
             guard.batches.restore(session.passes.ahead)
             self.it = self._from_position()
         try:
-            batch = self._fetch(self.it)
+            batch = self.fetches.take(session, self.it)
         except StopIteration:
             if passes.pass_done(taken(guard), self.loader):
                 session.passes.end(session.state)
@@ -192,16 +186,26 @@ class _TrainingBatches:
         return batch
 
 
-    def _fetch(self, it):
-        """The pass's next batch, its draws keyed by its place in the pass."""
-        self.guard.session.streams.fetch(self.keyed, self.fetches)
-        self.fetches += 1
+class _Fetches:
+    """A pass of the training loader, fetched with each batch's draws keyed by its place in the pass (streams.py)."""
+
+    def __init__(self, loader, epoch: int, start: int = 0) -> None:
+        self.point, self.place = fetch_pass(loader.tg_index, epoch), start
+
+    def take(self, session, it):
+        session.streams.fetch(self.point, self.place)
+        self.place += 1
         return next(it)
 
 
+def counts_ahead(loader) -> bool:
+    """A batch the loop takes from `loader` ahead of its forward is the next step's (batches.py); a framework's loader
+    fetches ahead inside its own iterator, or its integration accounts for it, so each of its fetches counts."""
+    return not getattr(loader, "replays_pass", False)
+
+
 def _took_training_batch(guard, batch, loader) -> None:
-    # a framework's loader counts its fetches (batches.py); one taken ahead before a restore begins no step
-    if guard.batches.took(not getattr(loader, "replays_pass", False)) and not guard.in_step:
+    if guard.batches.took(counts_ahead(loader)) and not guard.in_step:  # one taken ahead before a restore: no step
         guard.begin_step(batch, loader=loader.tg_index)
 
 
