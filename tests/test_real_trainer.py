@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -135,3 +136,85 @@ def test_the_language_model_survives_a_kill_in_a_step_and_in_the_eval_of_its_mov
         assert_identical(states[r], want_states[r], f"rank {r}")
     assert evals == want_evals and sorted(evals) == list(range(EPOCHS))
     assert took < 2 * fault_free + 20, why_slow(tmp_path / "faulty", took, fault_free)
+
+
+# a fault inside a step (train/engine/instep.py): the first one rewinds every rank (the replay audit checks that the job
+# resumes exactly); from then on the survivors stay in their step, and only the replacement runs the script
+IN_STEP = [
+    (3, "1:4:kill-forward,0:9:kill-exchange,2:15:collective",
+     "kill -9 of rank 1 between two accumulated micro-batches (every rank rewinds and replays: audited), of rank 0 "
+     "while its exchange is in flight, then an exchange that fails on every rank with nobody dead"),
+    (4, "1:3:kill-exchange,2:5:kill-after,3:13:kill-before",
+     "4 ranks: kill -9 of rank 1 in its exchange (every rank rewinds: audited), of rank 2 once its exchange "
+     "completed, before its update, and of rank 3 before its exchange"),
+]
+
+
+@pytest.mark.parametrize("workers,fault,what", IN_STEP, ids=["3-ranks", "4-ranks"])
+def test_a_fault_in_a_step_is_recovered_inside_it_and_ends_bit_identical(tmp_path, baseline, workers, fault, what):
+    """After the first recovery (a rewind whose replays the audit found identical) no survivor runs the script again:
+    each one that stayed in its step says so in its `restored` event, and the weights, buffers, optimizer and
+    scheduler are those of the run without a fault."""
+    want_states, want_evals, fault_free = baseline(workers)
+    states, evals, took, proc = run(tmp_path, workers, fault=fault, spares=2)
+    log = events(tmp_path)
+    assert len([e for e in log if e["event"] == "fault_injected"]) == len(fault.split(",")), what
+    rewinds = [e for e in log if e["event"] == "rewind"]
+    assert len(rewinds) == workers - 1 and {e["generation"] for e in rewinds} == {1}, (what, rewinds)
+    stayed = [e for e in log if e["event"] == "restored" and e.get("in_step")]
+    later_kills = fault.count("kill") - 1
+    assert len(stayed) == later_kills * (workers - 1) + (workers if "collective" in fault else 0), (what, stayed)
+    for r in range(workers):
+        assert_identical(states[r], want_states[r], f"rank {r}")
+    assert evals == want_evals
+    assert took < 2 * fault_free + 20, f"{what}: {why_slow(tmp_path, took, fault_free)}"
+
+
+def test_a_collective_the_script_calls_only_on_resume_sends_every_rank_through_the_script(tmp_path, baseline):
+    """A script whose epochs after the first begin with a barrier. After a first recovery (audited), the survivors of a
+    kill in epoch 1 wait in their step (their own run never called the barrier before a step), but the replacement,
+    resumed in epoch 1, calls it first. It asks the generation whether a rank waits in its step, rewinds, and every
+    rank runs the script again: the barrier pairs, nothing hangs, and the result is still the uninterrupted run's."""
+    want_states, want_evals, fault_free = baseline(3)
+    head = "    train_loader.sampler.set_epoch(epoch)\n"
+    assert head in PORT.read_text()
+    script = tmp_path / "trainer_epoch_barrier.py"
+    shutil.copy(PORT.parent / "digits_data.py", tmp_path)  # what the script imports from its folder
+    script.write_text(PORT.read_text().replace(head, "    if epoch > 0:\n        dist.barrier()\n" + head))
+    states, evals, took, proc = run(tmp_path / "faulty", 3, fault="1:4:kill-exchange,2:16:kill-exchange", spares=2,
+                                    script=script)
+    assert "calls torch.distributed.barrier before its first step's gradient exchange" in proc.stderr
+    rewinds = [e for e in events(tmp_path / "faulty") if e["event"] == "rewind"]
+    assert {e["generation"] for e in rewinds} > {1}, "nobody ran the script again at the second fault"
+    for r in range(3):
+        assert_identical(states[r], want_states[r], f"rank {r}")
+    assert evals == want_evals
+    assert took < 2 * fault_free + 20, why_slow(tmp_path / "faulty", took, fault_free)
+
+
+# once the job recovers inside its steps: faults elsewhere still rewind, and a fault during such a recovery too
+ARMED = [
+    ("1:4:kill-exchange,0:15:kill", "2:all_reduce:1", 2,
+     "after a first recovery (audited), kill -9 of rank 2 at epoch 0's eval all_reduce (everyone rewinds: outside a "
+     "step), then of rank 0 right after step 15 commits (the survivors stay)"),
+    ("2:4:kill-exchange,1:9:kill-exchange", "0:send:3", None,
+     "after a first recovery in which rank 0 served the replacement, kill -9 of rank 1 in its exchange, and of rank 0 "
+     "while it serves rank 1's replacement from inside its step: a second fault before the first recovery finished"),
+]
+
+
+@pytest.mark.parametrize("fault,at_collective,stayed,what", ARMED, ids=["eval-then-step", "during-the-recovery"])
+def test_faults_around_a_recovery_inside_the_step_end_bit_identical(tmp_path, baseline, fault, at_collective, stayed,
+                                                                   what):
+    """`stayed`: the `restored` events of ranks that stayed in their step (None: whichever the timing gives)."""
+    want_states, want_evals, fault_free = baseline(3)
+    states, evals, took, proc = run(tmp_path, 3, fault=fault, at_collective=at_collective, spares=2)
+    log = events(tmp_path)
+    assert len([e for e in log if e["event"] == "fault_injected"]) == 3, what
+    if stayed is not None:
+        assert len([e for e in log if e["event"] == "restored" and e.get("in_step")]) == stayed, what
+    assert [e for e in log if e["event"] == "rewind" and e["generation"] > 1], f"{what}: nobody rewound after the first"
+    for r in range(3):
+        assert_identical(states[r], want_states[r], f"rank {r}")
+    assert evals == want_evals
+    assert took < 2 * fault_free + 20, f"{what}: {why_slow(tmp_path, took, fault_free)}"

@@ -24,6 +24,7 @@ import all_reduce`) keeps the unwrapped function.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -65,6 +66,18 @@ class Failures:
 
 failures = Failures()
 observers: list = []  # callables (name) run before each synchronous collective: fault injection (train/engine/faults.py)
+gate = None  # callable (name) run before each of the script's own collectives, not trainguard's (train/engine/prologue.py)
+_own = threading.local()  # depth of trainguard's own collectives in this thread (`internal`)
+
+
+@contextlib.contextmanager
+def internal():
+    """Collectives called inside are trainguard's own (its exchange, a state transfer): the gate does not see them."""
+    _own.depth = getattr(_own, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _own.depth -= 1
 _generation = lambda: -1  # noqa: E731  the current generation (set by install)
 _on_group = lambda before, group: None  # noqa: E731  a process group was made (set by install)
 
@@ -146,6 +159,8 @@ def _wrap(name: str, fn):
         if observers and not asynchronous:
             for observe in observers:
                 observe(name)
+        if gate is not None and not getattr(_own, "depth", 0):
+            gate(name)
         gen = _generation()
         point = ledger.enter(name, kwargs.get("group", args[at] if 0 <= at < len(args) else None), args, kwargs)
         if not asynchronous:

@@ -29,7 +29,7 @@ from ..control.outcomes import ErrorDecision
 from ..control.reports import ErrorReport
 from ..errors import ClusterFailed, ConfigError, FencedError, SchedulerUnavailable, TrainguardError
 from ..obs.events import EventLog
-from . import collectives, embedded, graveyard
+from . import collectives, embedded, graveyard, prologue
 from .hang import LeftBehind, die_hung, dump_on_request, print_stacks
 from .ledger import beat, failed_at, ledger
 from .mpchild import refuse_a_rerun_by_multiprocessing
@@ -70,6 +70,7 @@ class Runtime:
         self.step = -1
         self.finished = False
         self.rejoin = False  # the script goes back to its committed step: join the next generation at init()
+        self.in_step = False  # this rank regroups from inside its step (train/engine/instep.py): it says so (announce)
         self.verdict = 0  # the exit code of a verdict that ended the job, as a failure report's reply said
         self._error: str = ""
         self._register()
@@ -106,6 +107,8 @@ class Runtime:
             self.members = frozenset((m.node_id, m.incarnation) for m in formed.members)  # same set: nobody restarted
             try:
                 self._build_group()
+                if self.generation > 1:
+                    self.announce()
                 return formed
             except (RuntimeError, TrainguardError) as exc:
                 failures.append(f"generation {self.generation}: {exc}")
@@ -193,6 +196,19 @@ class Runtime:
             self._on_news()  # the generation may have moved on while we built this one
         log.info("generation %d: rank %d of %d, %s group built in %.0f ms (%d peer connections)", self.generation,
                  self.rank, self.world_size, backend, 1000 * (time.monotonic() - t0), len(self._sockets))
+
+    def announce(self) -> None:
+        """Say in the new generation's store that this rank formed it, and whether it waits in its step (prologue.py)."""
+        key = f"trainguard/in-step/g{self.generation}"
+        if self.in_step:
+            self._store.set(key, b"1")
+        self._store.set(f"{key}/formed/{self.rank}", b"1")
+
+    def peers_in_step(self) -> bool:
+        """Whether a rank of this generation waits in its step; once every rank has said (`announce`)."""
+        key = f"trainguard/in-step/g{self.generation}"
+        self._store.wait([f"{key}/formed/{r}" for r in range(self.world_size)])
+        return self._store.check([key])
 
     def drop_group(self) -> None:
         # peers still blocked in a collective with us learn at once that we left
@@ -332,6 +348,7 @@ def init(env=None) -> Runtime:
     rewinding.set_error_vote(rt.raised_everywhere)
     atexit.register(rt._at_exit)
     collectives.install(lambda: joined().generation, rt.track_group)  # failures typed, every group's sockets cut
+    prologue.install(rt)  # the script's own collectives before its first step (train/engine/instep.py)
     rt.form()
     _runtime = rt
     _export(rt)

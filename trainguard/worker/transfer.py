@@ -12,13 +12,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveFailed
+from .collectives import internal
 
 
 def _typed(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with internal():
+                return fn(*args, **kwargs)
         except RuntimeError as exc:  # gloo and NCCL report a lost peer as a RuntimeError (or a subclass)
             raise CollectiveFailed(f"{fn.__name__} failed: {exc}") from exc
 

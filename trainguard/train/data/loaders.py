@@ -158,12 +158,13 @@ class _TrainingBatches:
             last = self.fetches.take(session, it)
         if getattr(loader, "replays_pass", False):
             loader.last_replayed = last  # the committed step's last batch, for a framework that ends that step
-        if session.in_epoch and session.rt.rank == 0:
+        if session.in_epoch:  # every rank that resumed says it: under a recovery in a step, only the replacement did
             what = "stream" if is_stream(loader) else "loader"
             since = (f"from its state saved at batch {start}, the {session.in_epoch - start} batches after it"
                      if anchor is not None else f"its first {session.in_epoch} batches")
-            print(f"trainguard: the training {what} resumed at batch {session.in_epoch} of its pass: {since} were read "
-                  f"again and dropped in {time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
+            print(f"trainguard: rank {session.rt.rank}: the training {what} resumed at batch {session.in_epoch} of its "
+                  f"pass: {since} were read again and dropped in {time.monotonic() - t0:.2f} s", file=sys.stderr,
+                  flush=True)
         return it
 
     def __iter__(self):
@@ -171,7 +172,7 @@ class _TrainingBatches:
 
     def __next__(self):
         guard, session = self.guard, self.guard.session
-        guard.poll()
+        guard.poll(between=True)
         if session.restores != self.restores:  # recovered in place (started by hand): from the committed position
             self.restores = session.restores
             guard.batches.restore(session.passes.ahead)

@@ -133,6 +133,22 @@ class Finding:
 _first: dict[tuple[int, int], tuple[tuple[Mark, ...], tuple[Mark, ...]]] = {}  # (step, forward) -> (inputs, output)
 
 
+_verified = False  # a replayed forward of this process (or of the peer it took its state from) was its first run's
+
+
+def verified() -> bool:
+    """Whether this job was seen to resume exactly: a step replayed after a fault matched its first run here, or on
+    the peer this rank took its state from. Until then a fault in a step rewinds every rank, so that the replays are
+    audited (instep.py)."""
+    return _verified
+
+
+def trust() -> None:
+    """A peer's state says the job was seen to resume exactly (recovery.py)."""
+    global _verified
+    _verified = True
+
+
 class Audit:
     """One run of the script's view of the audit: it numbers the forwards of each step."""
 
@@ -160,6 +176,7 @@ class Audit:
             return None
         what = "inputs" if not same(first[0], now[0]) else "output" if not same(first[1], now[1]) else ""
         if not what:
+            trust()
             return None
         self.found = Finding(step, self.n, what)
         _first.clear()  # from here on this run is the reference

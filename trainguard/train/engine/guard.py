@@ -41,7 +41,7 @@ import torch
 
 from ... import rewinding
 from ...errors import CollectiveFailed, ConfigError, Rewind
-from ...worker import runtime as rt_mod
+from ...worker import prologue, runtime as rt_mod
 from ...worker.ledger import ledger
 from ..data import plainloaders
 from ..parallel import sharding
@@ -50,7 +50,7 @@ from ..state import discover
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
 from ..state.shardckpt import ShardedCheckpoints, ShardedSaver
 from ..state.train_state import TrainState
-from . import audit, tail, rewind as rewind_mod
+from . import audit, instep, tail, rewind as rewind_mod
 from .audit import Audit
 from .batches import StepBatches
 from .callbacks import Callback
@@ -110,6 +110,7 @@ class Guard:
         session = Session(state, SessionConfig(), runtime=rt, callbacks=callbacks)
         session.user_loop = True
         session.rewinds = rewinding.available()
+        instep.arm(session)  # a failed exchange recovers inside the step, the script's setup not run again
         self.session = session
         self.audit = Audit(rt.cfg.exact != "off" and not rt.cfg.recover_strategy.elastic)  # other batches by design
         if isinstance(model, DataParallel):
@@ -174,12 +175,13 @@ class Guard:
     def _training_forward(self) -> bool:
         return torch.is_grad_enabled() and self.model is not None and self.model.training
 
-    def poll(self) -> None:
+    def poll(self, between: bool = False) -> None:
         """Between steps (an eval batch or forward): under a rewind, a recovery the commit left pending or a
-        generation that is over goes back now. Started by hand, recoveries wait for the next training step."""
+        generation that is over goes back now; at the training loader's next batch (`between`) a rank recovers in
+        place where it can (instep.py). Started by hand, recoveries wait for the next training step."""
         session = self.ensure_started()
         ledger.progressed()  # a batch or a forward: this rank is not stuck (worker/ledger.py)
-        if not session.rewinds:
+        if not session.rewinds or (between and instep.recover_between(session, self)):
             return
         session.before_step()
         if session.rt.broken():
@@ -194,6 +196,7 @@ class Guard:
         session.streams.step_begins(session.step)  # after the batch that begins it was fetched (its own key)
         session.begin_step(batch)
         self.in_step = True
+        prologue.step_began()
         if (found := tail.step_begins(session.step)) is not None:  # code after the update, skipped by this run? (tail.py)
             audit.report(session, found)
         self.step_loader = loader if loader is not None else self.recent_loader

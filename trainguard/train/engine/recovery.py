@@ -21,6 +21,7 @@ from ...errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryErro
 from ...worker.transfer import broadcast_int, recv_bytes, send_bytes
 from ..data import phase as elastic
 from ..state.train_state import TrainState, job_seed
+from . import audit
 from .graceful import stop_on_fault
 
 log = logging.getLogger("trainguard.session")
@@ -89,7 +90,9 @@ class Recovery:
             stop_on_fault(session, why)
         raise RecoveryError(why + "; ending this process so that the launcher restarts it")
 
-    def run(self, *, form: bool, reason: str) -> None:
+    def run(self, *, form: bool, reason: str, in_step: bool = False) -> bool:
+        """Regroup (`form`), agree on the restore step and take it. `in_step`: this rank's gradient exchange failed and
+        it waits in its step (instep.py); True if it holds the agreed step and so stays there."""
         session = self.session
         t0 = time.monotonic()
         rt = session.rt
@@ -117,7 +120,7 @@ class Recovery:
                 if decision.error is not None:  # no state to go on from: a restart would not bring it back
                     stop_on_fault(session, f"the job cannot be restored: {decision.error}")
                 t_apply = time.monotonic()
-                self.apply(decision)
+                stays = self.apply(decision, in_step=in_step)
                 log.info("rank %d: agreed on step %s in %.0f ms, restored in %.0f ms", rt.rank, decision.step,
                          1000 * (t_apply - t_agree), 1000 * (time.monotonic() - t_apply))
                 break
@@ -134,18 +137,24 @@ class Recovery:
         if session.recoveries and rt.rank == 0:
             print(f"trainguard: generation {rt.generation}: resumed at step {decision.step} "
                   f"(lost {decision.lost_steps} steps), regrouped and restored in {took:.3f} s", flush=True)
+        return stays
 
-    def apply(self, decision: RestoreDecision) -> None:
+    def apply(self, decision: RestoreDecision, *, in_step: bool = False) -> bool:
+        """Carry the decision out; True if this rank `in_step` holds the agreed step and goes on inside its step: its
+        position, streams and loaders stay where the step has them (instep.py)."""
         session = self.session
         rt = session.rt
         s = decision.step
         mine = decision.source(rt.rank)
         kind = mine.kind
+        stays = in_step and kind is SourceKind.SELF
         taken, folder = None, None
         live = session.live
         received = live.transfer(decision) if live is not None else None  # sharded: every pair, in one order
         if kind is SourceKind.PEER:
             taken = unpack(received if live is not None else recv_bytes(mine.peer, rt.group), "peer state")
+            if taken["own"].get("verified") is True:  # the job was seen to resume exactly (instep.py)
+                audit.trust()
         elif kind is SourceKind.MEMORY:  # sharded: this rank's own copy of an earlier step
             taken = unpack(live.own_copy(s), f"the in-memory copy of step {s}")
         elif kind is SourceKind.DISK:
@@ -169,12 +178,27 @@ class Recovery:
         if session.buffers is not None:
             session.buffers.refresh()
         session.holds_state = True
+        if not stays:  # a rank staying in its step is where the step has it: position, streams, loaders
+            self.resume_position()
+            session.source = f"{mine.words()} ({folder})" if kind is SourceKind.DISK else mine.words()
+        if live is not None:
+            live.restored()  # every rank copies the step it now holds
+        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind.value, peer=mine.peer,
+                       copy=None if mine.origin is None else mine.origin.value, in_step=stays)
+        if rt.rank == 0:
+            rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.from_step,
+                           fresh=decision.fresh)
+        return stays
+
+    def resume_position(self) -> None:
+        """The loaders and streams go on from the restored position (the loop's next batch, the next step's seeds)."""
+        session = self.session
         session.restores += 1
         if session.strategy.elastic and session.sampler is not None:
             # a new world size: split the rest of the epoch
             session.phase, session.epoch, session.in_epoch = elastic.reshard(
-                session.phase, rt=rt, sampler=session.sampler, loader=session.state.loader, epoch=session.epoch,
-                in_epoch=session.in_epoch)
+                session.phase, rt=session.rt, sampler=session.sampler, loader=session.state.loader,
+                epoch=session.epoch, in_epoch=session.in_epoch)
             session.passes.commit(session.epoch, session.in_epoch)
         session.iterator = None
         if session.state.loader is not None and session.in_epoch > 0 and not session.user_loop:
@@ -182,11 +206,3 @@ class Recovery:
         session.streams.restored(session.step)
         # the streams are now where the last training forward of step s left them in a run without a fault: what the
         # script draws from here to its next step (a prefetched batch, an eval on one rank) comes out the same
-        session.source = f"{mine.words()} ({folder})" if kind is SourceKind.DISK else mine.words()
-        if live is not None:
-            live.restored()  # every rank copies the step it now holds
-        rt.events.emit("restored", generation=rt.generation, rank=rt.rank, step=s, source=kind.value, peer=mine.peer,
-                       copy=None if mine.origin is None else mine.origin.value)
-        if rt.rank == 0:
-            rt.events.emit("restore_step", generation=rt.generation, to_step=s, from_step=decision.from_step,
-                           fresh=decision.fresh)

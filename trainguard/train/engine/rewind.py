@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ... import rewinding
 from ...errors import CollectiveFailed, Rewind
 from ...exitcodes import VERDICTS
-from ...worker import runtime as rt_mod
+from ...worker import prologue, runtime as rt_mod
 from ..data import plainloaders
 
 log = logging.getLogger("trainguard.rewind")
@@ -116,6 +116,7 @@ def prepare(exc: BaseException) -> bool:
     global _loaders_made, _rewound
     _loaders_made = 0  # the script's next run makes its loaders again, in the same order
     _rewound = True
+    prologue.restarted()
     plainloaders.end_workers()  # this run's loader workers (left to the collector, each cost 5 s)
     copies = session.live if session is not None else None  # a sharded model's copy exchange
     if copies is not None:

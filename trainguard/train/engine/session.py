@@ -12,16 +12,16 @@ recovery is:
     -> ranks at s keep their state; the others (a rank one step behind, a replacement) receive
        it from a rank at s -> rebuild the gradient exchange for the new group -> go on.
 
-Nothing is copied per step. Per-rank state is reduced to nothing: the data position follows from
-the committed step, and the random streams of every rank are keyed at fixed points of each step by
-(job seed, rank, point) (train/state/streams.py), so a rank's random stream at step s is known without
-having been saved. The job seed is agreed at the first start (rank 0's `torch.initial_seed()`) and
-travels with the state, with the count of the last committed step's training forwards.
+No state is copied per step. Per-rank state is reduced to nothing: the data position follows from the committed step,
+and the random streams of every rank are keyed at fixed points of each step by (job seed, rank, point)
+(train/state/streams.py), so a rank's random stream at step s is known without having been saved. The job seed is
+agreed at the first start (rank 0's `torch.initial_seed()`) and travels with the state, with the count of the last
+committed step's training forwards.
 
-The stop vote (SIGTERM, SIGINT, SIGUSR1) rides in the gradient all-reduce's control slots. What a
-failure leads to follows the recover strategy (strategies.py): recovery in process, or a
-stop (exit, dump: train/engine/graceful.py). Under elastic, progress also records the sampler's phase
-(train/data/phase.py), so a restore into another world size splits the rest of the epoch over it.
+The stop vote (SIGTERM, SIGINT, SIGUSR1) rides in the gradient all-reduce's control slots. What a failure leads to
+follows the recover strategy (strategies.py): recovery in process, or a stop (exit, dump: train/engine/graceful.py).
+Under elastic, progress also records the sampler's phase (train/data/phase.py), so a restore into another world size
+splits the rest of the epoch over it.
 """
 
 from __future__ import annotations
@@ -39,13 +39,7 @@ from ..data import phase as elastic
 from ..data.loaderseed import seed_loader_samples
 from ..data.passes import Passes, pass_length
 from ..data.sampler import sampler_of
-from ...errors import (
-    CollectiveFailed,
-    ConfigError,
-    FencedError,
-    Retriable,
-    Rewind,
-)
+from ...errors import CollectiveFailed, ConfigError, FencedError, Retriable, Rewind
 from ..parallel.ddp import DataParallel
 from ..parallel.livecopies import LiveCopies
 from ..parallel.sharding import is_sharded, job_mesh
@@ -55,7 +49,7 @@ from ..state.checkpointing import DiskSources
 from ..state.shardckpt import ShardedSaver
 from ..state.streams import Streams
 from ..state.train_state import TrainState, bounded
-from . import rewind
+from . import audit, rewind
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .progress import ProgressEvents
 from .recovery import Recovery
@@ -201,8 +195,9 @@ class Session:
         self._recover(form=False, reason="")
         self.recovery.members = self.rt.members
         parallel_strategy.write_for(self, job_mesh())
-        if self.rt.rank == 0 and self.step:  # a rerun (or a replaced rank 0) says where it stands
-            print(f"trainguard: resumed at step {self.step} (epoch {self.epoch}, batch {self.in_epoch}) "
+        if self.step and (self.rt.rank == 0 or (self.rt.generation > 1 and not rewind.rewound())):  # a rerun, a
+            # replacement (its peers may have stayed in their step: instep.py) says where it stands
+            print(f"trainguard: {'' if self.rt.rank == 0 else f'rank {self.rt.rank}: '}resumed at step {self.step} (epoch {self.epoch}, batch {self.in_epoch}) "
                   f"from {self.source}", flush=True)
             if self.done():
                 print(f"trainguard: the training is already complete at step {self.step} ({self.cfg.epochs} "
@@ -230,6 +225,11 @@ class Session:
             if self.rewinds:
                 raise Rewind(reason or "the cluster moved on")
             self._recover(form=True, reason=reason)
+
+    def take_pending(self) -> str | None:
+        """The recovery deferred from the last commit, if any, taken (instep.py carries it out in place)."""
+        reason, self._pending = self._pending, None
+        return reason
 
     def begin_step(self, batch=None) -> Step:
         step = Step(self.is_retriable, self.step, self.epoch, self.in_epoch, batch)
@@ -335,7 +335,7 @@ class Session:
         """What a peer or a checkpoint needs besides the objects' states: the position, the job's seed, and
         which of the script's loaders drives the steps."""
         own = {"progress": self.progress(), "seed": self.streams.seed, "forwards": self.streams.committed_forwards,
-               "ahead": self.passes.ahead}
+               "ahead": self.passes.ahead, "verified": audit.verified()}
         if self.passes.committed[2] is not None:
             own["label"] = self.passes.committed[2]
         if self.train_loader is not None:

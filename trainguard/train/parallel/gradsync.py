@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import CollectiveFailed
+from ...worker.collectives import internal
 
 MB = 1 << 20
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MB  # a freed block larger than this leaves glibc's thresholds where they are
@@ -84,6 +85,7 @@ class Bucket:
     grads: torch.Tensor | None = None  # buffer[:size]: the gradients without the control slots
     missing: int = 0  # gradients not yet in, this backward
     arrived: list[bool] = field(default_factory=list)
+    local: torch.Tensor | None = None  # this rank's own gradients as launched (kept only for an exchange redone)
 
 
 def plan_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
@@ -129,6 +131,14 @@ class GradSync:
         self.share = None  # a BufferShare (train/state/buffers.py): rank 0's buffers ride with the last bucket
         self.riders: list = []  # more riders (riders.py), after the share
         self.enabled = True  # False inside no_sync()
+        # a failed exchange done again with this rank's own gradients, in the next generation (train/engine/instep.py):
+        # `on_failure(error)` recovers and says whether to; the gradients are kept as launched (one copy) in the
+        # backwards where `keeps_local()` said, at their start, that a failure would be recovered so
+        self.on_failure: Callable[[CollectiveFailed], bool] | None = None
+        self.keeps_local: Callable[[], bool] = lambda: False
+        self._keeping = False
+        self.deferred: BaseException | None = None  # what that recovery raised, raised by result() in the step
+        self.after_exchange: Callable[[], None] | None = None  # at the end of every exchange, done or failed
         self._control: torch.Tensor | None = None  # the extra buffer, when the last bucket cannot carry slots
         self._rides: list[tuple] = []  # (rider, start, end) in the last bucket's tail, after the control slots
         self._works: list = []
@@ -216,6 +226,7 @@ class GradSync:
 
     def _begin(self) -> None:
         self._in_pass, self._launched, self._works, self._synced = True, 0, [], False
+        self._keeping = self.on_failure is not None and self.keeps_local()
         for b in self.buckets:
             b.missing, b.arrived = len(b.params), [False] * len(b.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -236,12 +247,17 @@ class GradSync:
                 rider.fill(tail[start:end], self.rank)
         if self.error is not None:
             return
+        if self._keeping:
+            if bucket.local is None or bucket.local.shape != bucket.grads.shape:
+                bucket.local = torch.empty_like(bucket.grads)
+            bucket.local.copy_(bucket.grads)
         try:
-            self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
-            if last and self._control is not None:
-                self._works.append(dist.all_reduce(self._control, group=self.group, async_op=True))
-            if last and self.share and not self.share.riding:
-                self._works += self.share.launch(self.rank, self.group)
+            with internal():
+                self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+                if last and self._control is not None:
+                    self._works.append(dist.all_reduce(self._control, group=self.group, async_op=True))
+                if last and self.share and not self.share.riding:
+                    self._works += self.share.launch(self.rank, self.group)
         except (RuntimeError, CollectiveFailed) as exc:  # CollectiveFailed: the generation already failed
             self._fail(exc)
         if b == 0 and self.after_launch is not None:
@@ -262,12 +278,11 @@ class GradSync:
                     view.zero_()
             bucket.missing = 0
         self._launch_ready()
-        for work in self._works:
-            try:
-                work.wait()
-            except (RuntimeError, CollectiveFailed) as exc:  # a TypedWork fails as CollectiveFailed
-                self._fail(exc)
-        self._works = []
+        self._wait()
+        if self.error is not None and self._keeping and self._recovered(self.error):
+            self._redo()
+        if self.after_exchange is not None:
+            self.after_exchange()
         if self.error is not None:
             return
         tail = self.buckets[-1].buffer[self.buckets[-1].size:] if self._control is None else self._control
@@ -284,10 +299,41 @@ class GradSync:
                     p.grad = view
         self._synced = True
 
+    def _wait(self) -> None:
+        for work in self._works:
+            try:
+                work.wait()
+            except (RuntimeError, CollectiveFailed) as exc:  # a TypedWork fails as CollectiveFailed
+                self._fail(exc)
+        self._works = []
+
+    def _recovered(self, error: CollectiveFailed) -> bool:
+        """Whether the job recovered with this rank still in its step (the hook attached the next generation's group).
+        Run at the end of backward, in autograd's callback: what the recovery raises is raised by `result()`."""
+        try:
+            if self.on_failure(error):
+                return True
+        except BaseException as exc:  # noqa: BLE001  a Rewind, a job that ended: raised where the optimizer steps
+            self.deferred = exc
+        self.error = error  # a new group's attach cleared it: the step still must not be applied
+        return False
+
+    def _redo(self) -> None:
+        """The exchange again, in the new group, from this rank's own gradients as they were first launched."""
+        self._works, self._launched, self.error = [], 0, None
+        for bucket in self.buckets:
+            bucket.grads.copy_(bucket.local)
+        self._launch_ready()
+        self._wait()
+
     # --- the commit point -----------------------------------------------------------------------
 
     def result(self) -> None:
-        """Raise CollectiveFailed if this step's exchange failed (the optimizer must not step)."""
+        """Raise CollectiveFailed if this step's exchange failed (the optimizer must not step), or what the recovery
+        in the step raised."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            raise deferred
         if self.error is not None:
             raise self.error
 

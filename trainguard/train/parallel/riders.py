@@ -77,3 +77,25 @@ class RankRows:
         if self._pending is not None:
             self.rows = decode_float64(view.view(self._world, -1))
             self._pending = None
+
+
+class Flag:
+    """One flag every rank raises or not, gathered by riding in the gradient exchange: `on_any()` is called after an
+    exchange in which some rank's `raised()` was true (each rank adds 1 or 0 to one slot: counts below 2**24 are
+    exact). Used to spread what one rank learnt to every rank at no collective of its own (train/engine/instep.py)."""
+
+    def __init__(self, raised, on_any) -> None:
+        self.raised, self.on_any = raised, on_any
+        self.riding = False
+
+    def slots(self, dtype: torch.dtype, device: torch.device, world: int) -> int | None:
+        return 1
+
+    @torch.no_grad()
+    def fill(self, view: torch.Tensor, rank: int) -> None:
+        view[0] = 1.0 if self.raised() else 0.0
+
+    @torch.no_grad()
+    def take(self, view: torch.Tensor) -> None:
+        if view[0].item() > 0:
+            self.on_any()
