@@ -96,7 +96,8 @@ def main() -> None:
         recs = [one_run(spares, faults, job, flags) for _ in range(args.runs)]
         several = len(recs[0]) > 1
         for i in range(len(recs[0])):  # each recovery of the run: the first, then the later one
-            name = label if not several else f"{label}, {'first fault (every rank rewinds)' if i == 0 else 'later fault'}"
+            when = "first fault (every rank rewinds)" if i == 0 else "later fault"
+            name = f"{label}, {when}" if several else label
             mttr = [r[i]["mttr_s"] for r in recs]
             print(f"{name}: MTTR " + ", ".join(f"{m:.3f}" for m in mttr) + f" s; lost steps "
                   f"{[r[i]['lost_steps'] for r in recs]}", flush=True)

@@ -66,7 +66,7 @@ class Failures:
 
 failures = Failures()
 observers: list = []  # callables (name) run before each synchronous collective: fault injection (train/engine/faults.py)
-gate = None  # callable (name) run before each of the script's own collectives, not trainguard's (train/engine/prologue.py)
+gate = None  # callable (name) run before each of the script's own collectives, not trainguard's (worker/prologue.py)
 _own = threading.local()  # depth of trainguard's own collectives in this thread (`internal`)
 
 

@@ -198,7 +198,7 @@ class Runtime:
                  self.rank, self.world_size, backend, 1000 * (time.monotonic() - t0), len(self._sockets))
 
     def announce(self) -> None:
-        """Say in the new generation's store that this rank formed it, and whether it waits in its step (prologue.py)."""
+        """Say in the new generation's store that this rank formed it, and whether it stays in its step."""
         key = f"trainguard/in-step/g{self.generation}"
         if self.in_step:
             self._store.set(key, b"1")

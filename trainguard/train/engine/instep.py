@@ -30,15 +30,17 @@ each replay with its first run: that is how a script with state trainguard does 
 its own) is caught, since the replacement runs the same resume code and its first step has no first run to compare
 with. A rank that stays replays nothing. So a job recovers inside the step only once it was seen to resume exactly:
 its first fault in a step rewinds every rank, and once a replayed forward matched its first run (audit.verified(),
-told to every rank in the next exchange, and to a replacement with the state) the later ones stay. With the audit off (`--exact off`, for a script
-`trainguard verify` found exact) it stays from the first fault.
+told to every rank in the next exchange, and to a replacement with the state) the later ones stay. With the audit
+off (`--exact off`, for a script `trainguard verify` found exact) it stays from the first fault.
 
 When it is not used, and the rank rewinds as before: the job's step is not its own (a peer finished step k+1: it
 takes that state and runs the script again), the recovery failed (a second fault: every rank goes through the
-script), a sharded model (its shards' copies move in collectives the script's setup makes), `elastic` (a new world
-size splits the data again), and a script whose setup makes collectives of its own before its first step
-(prologue.py: a replacement's setup calls them while the survivors wait in their exchange, and nothing would pair
-them; such a replacement says so and the job rewinds).
+script), the rank's pass is not its committed position's (the step after an epoch's last: a replacement resumed at
+the epoch's end runs the eval and barriers after it, which the ranks that stay have run), a sharded model (its
+shards' copies move in collectives the script's setup makes), `elastic` (a new world size splits the data again),
+and a script that makes collectives of its own in its setup or inside a step (worker/prologue.py: a replacement's
+would pair with nothing while the others wait in their exchange; one that calls such a collective only on a resume
+says so, and every rank rewinds).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ from . import audit
 
 
 def arm(session) -> None:
-    """A data-parallel session of the user's own loop under `trainguard run`: its exchange recovers in the step
-    (while the script is seen to make no collective of its own before one: worker/prologue.py)."""
+    """A data-parallel session of the user's own loop under `trainguard run`: its exchange may recover in the step
+    (when `_armed` says so, at the failure)."""
     if session.sync is None:
         return
     session.sync.after_exchange = prologue.exchange_done
@@ -103,8 +105,8 @@ def _recover(session, error: BaseException | str) -> bool:
     if buffers is not None:
         buffers.rollback()  # the step's forward moved them: a replacement takes the committed ones
     session.rt.in_step = True  # said to the new generation as it forms (prologue.py)
+    reason = error if isinstance(error, str) else f"step {session.step + 1}: {type(error).__name__}: {str(error)[:300]}"
     try:
-        reason = error if isinstance(error, str) else f"step {session.step + 1}: {type(error).__name__}: {str(error)[:300]}"
         stays = session.recovery.run(form=True, reason=reason, in_step=True)
     finally:
         session.rt.in_step = False

@@ -196,8 +196,8 @@ class Session:
         self.recovery.members = self.rt.members
         parallel_strategy.write_for(self, job_mesh())
         if self.step and (self.rt.rank == 0 or (self.rt.generation > 1 and not rewind.rewound())):  # a rerun, a
-            # replacement (its peers may have stayed in their step: instep.py) says where it stands
-            print(f"trainguard: {'' if self.rt.rank == 0 else f'rank {self.rt.rank}: '}resumed at step {self.step} (epoch {self.epoch}, batch {self.in_epoch}) "
+            who = "" if self.rt.rank == 0 else f"rank {self.rt.rank}: "  # replacement (its peers may stay: instep.py)
+            print(f"trainguard: {who}resumed at step {self.step} (epoch {self.epoch}, batch {self.in_epoch}) "
                   f"from {self.source}", flush=True)
             if self.done():
                 print(f"trainguard: the training is already complete at step {self.step} ({self.cfg.epochs} "
