@@ -249,6 +249,7 @@ class LiveScheduler:
 
     def __init__(self, tmp_path: Path, workers: int = 2, **extra: str):
         self.recovery = tmp_path / "recovery"
+        self.workers = workers
         self.port = free_port()
         self.address = ("127.0.0.1", self.port)
         self.log = open(tmp_path / "scheduler.log", "w")
@@ -266,7 +267,7 @@ class LiveScheduler:
     def worker(self, node_id: str, pid: int, connect_timeout: float = 20.0) -> tuple[SchedulerClient, Heartbeater]:
         """Register `node_id` and keep it alive with heartbeats, as the runtime does."""
         c = self.client(connect_timeout)
-        c.register(node_id=node_id, host=ELSEWHERE, pid=pid, worker_num=2)
+        c.register(node_id=node_id, host=ELSEWHERE, pid=pid, worker_num=self.workers)
         return c, self.heartbeat(c.identity)
 
     def heartbeat(self, identity) -> Heartbeater:

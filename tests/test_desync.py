@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, assert_identical, env, events
+from harness import REPO, assert_identical, env, events, wait_for
 
 from trainguard.control.waits import END_OF_SCRIPT, Waiting, find_desync, find_hang, mismatch, rewind_first
 from trainguard.exitcodes import EXIT_DESYNC
@@ -175,3 +175,36 @@ def test_a_thread_is_left_behind_only_once_it_has_waited_the_limit_since_it_knew
     assert not left_behind(now=19.0, news_at=10.0, blocked_since=5.0, limit=10.0)
     assert not left_behind(now=20.0, news_at=10.0, blocked_since=15.0, limit=10.0)  # blocked after: 10 s from then
     assert not left_behind(now=99.0, news_at=10.0, blocked_since=None, limit=10.0)  # in no collective: never
+
+
+def test_a_rank_left_blocked_in_a_cut_generation_shows_the_desync_a_failure_report_alone_does_not(tmp_path):
+    """gloo aborts the rank that received the larger tensor (rank 0 here); rank 2's collective fails, but rank 1,
+    which sent it, stays blocked in generation 1 while the job moves on. Its heartbeats say where: that wait,
+    against rank 2's failure at the same collective, is the desync (it was once taken for a fault and the job
+    ended on the audit instead, exit 80)."""
+    from test_cluster_errors import LiveScheduler, join_all
+    from trainguard.control import protocol as p
+    from trainguard.control.client import Connection
+
+    cl = LiveScheduler(tmp_path, workers=3)
+    try:
+        (c0, hb0), (c1, _), (c2, _) = (cl.worker(str(i), 100 + i) for i in range(3))
+        join_all((c0, 0), (c1, 0), (c2, 0))
+        cl.die(hb0, "0")  # aborted by gloo
+        conn = Connection(cl.address, timeout=5)
+        try:
+            failed = p.ReportFailure(node_id="2", incarnation=1, generation=1, kind=p.FailureKind.COLLECTIVE,
+                                     detail="Connection closed by peer", at=point(7, for_s=0.0))
+            conn.request(failed, 5)
+            assert not [e for e in cl.events() if e["event"] == "desync"]  # one report alone shows nothing
+            blocked = p.Heartbeat(node_id="1", incarnation=1, generation=1, step=6,
+                                  waiting=point(7, shape="float32[8]", site="train.py:11"))
+            conn.request(blocked, 5)
+        finally:
+            conn.close()
+        wait_for(lambda: [e for e in cl.events() if e["event"] == "desync"], 10, "the desync event")
+        desync = next(e for e in cl.events() if e["event"] == "desync")
+        assert desync["action"] == "end" and sorted(desync["ranks"]) == [1, 2], desync
+        assert "float32[8]" in desync["detail"] and "train.py:11" in desync["detail"], desync
+    finally:
+        cl.close()

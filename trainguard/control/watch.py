@@ -13,7 +13,9 @@ decisions of waits.py, and carries their verdicts out.
   worker is.
 
 A failure report's collective is kept per generation: two survivors of an abort (gloo ends a rank at once on
-a size mismatch) that failed at the same collective number with other calls show the desync there.
+a size mismatch) that failed at the same collective number with other calls show the desync there. A rank
+still blocked in a collective of a generation the job has left (gloo did not fail it: its peer that aborted
+was not its neighbour) says so in its heartbeats, and that wait is compared with the failures the same way.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class Watch:
             self.waits[node.rank] = waiting
         else:
             self.waits.pop(node.rank, None)
+            if waiting is not None and waiting.generation < c.generation:  # left behind in a cut generation's
+                self.failure(node, waiting)  # collective: where it stopped counts as a failure report does
         if idle is not None:
             self.idle[node.rank] = idle
         return self.hung.get((node.node_id, node.incarnation), "")
@@ -74,10 +78,12 @@ class Watch:
         return False
 
     def failure(self, node: m.Node, at: Waiting | None) -> None:
-        """A survivor's collective failed at `at`."""
+        """A survivor's collective failed at `at` (or it is still blocked there, in a generation left behind)."""
         if at is None:
             return
-        if at.generation != self.failed_gen:
+        if at.generation < self.failed_gen:
+            return
+        if at.generation > self.failed_gen:
             self.failed, self.failed_gen = {}, at.generation
         self.failed[node.rank] = at
         found = mismatch(self.failed)
