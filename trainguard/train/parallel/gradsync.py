@@ -47,11 +47,9 @@ with the same buffers and no forward broadcasts them, and any other small exchan
 (`riders`: Lightning's logged values). The tail's length is fixed by the model, the world size and
 the riders' capacities, so the gradients' summation order never depends on a step's contents.
 
-Virtual ranks (not built). The sum is over physical ranks, so a run stays bit-identical only at
-the same world size. Defining it over a fixed number V of data shards instead (each rank reducing
-its V/W shards' gradients locally, in shard order, then an all-gather of per-shard sums added in
-shard order) would keep `elastic` runs bit-identical across world sizes, at the price of the
-all-gather's traffic; see docs/ARCHITECTURE.md.
+Virtual shards (`set_shards(V)`): the float sum over ranks is bit-identical only at one world size. With V
+shards each backward is one shard's (`exactsum.shard_range`), nothing is launched during them, and the last
+one's end adds every shard's gradients in fixed point (exactsum.py): the same bits at every W.
 """
 
 from __future__ import annotations
@@ -66,6 +64,7 @@ from torch import nn
 
 from ...errors import CollectiveFailed
 from ...worker.collectives import internal
+from .exactsum import NONFINITE, ShardGrads, from_fixed, scale_bits, shard_range
 
 MB = 1 << 20
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MB  # a freed block larger than this leaves glibc's thresholds where they are
@@ -131,6 +130,8 @@ class GradSync:
         self.share = None  # a BufferShare (train/state/buffers.py): rank 0's buffers ride with the last bucket
         self.riders: list = []  # more riders (riders.py), after the share
         self.enabled = True  # False inside no_sync()
+        self.shards = 0  # virtual shards (set_shards): 0 for the float sum over the ranks
+        self.exact: ShardGrads | None = None  # this step's shards' gradients, under virtual shards
         # a failed exchange done again with this rank's own gradients, in the next generation (train/engine/instep.py):
         # `on_failure(error)` recovers and says whether to; the gradients are kept as launched (one copy) in the
         # backwards where `keeps_local()` said, at their start, that a failure would be recovered so
@@ -154,8 +155,13 @@ class GradSync:
 
     def attach(self, group: dist.ProcessGroup) -> None:
         self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.exact = ShardGrads(self.shards, shard_range(self.shards, self.world, self.rank)) if self.shards else None
         self._lay_out()
         self._reset()
+
+    def set_shards(self, shards: int) -> None:
+        """Sum over `shards` virtual shards, exactly, from the next generation's attach on (module docstring)."""
+        self.shards = shards
 
     def _lay_out(self) -> None:
         """The buckets' buffers; the last one's tail: the control slots, then what rides (see the docstring)."""
@@ -195,6 +201,8 @@ class GradSync:
     def _reset(self) -> None:
         self._works, self._launched, self._in_pass, self._synced = [], 0, False, False
         self.error = None
+        if self.exact is not None:
+            self.exact.clear()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -208,7 +216,7 @@ class GradSync:
     # --- one backward -----------------------------------------------------------------------
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self.group is None or not self.enabled:
+        if self.group is None or not (self.enabled or self.exact):
             return
         if not self._in_pass:
             self._begin()
@@ -222,11 +230,12 @@ class GradSync:
             p.grad = view
         bucket.arrived[i] = True
         bucket.missing -= 1
-        self._launch_ready()
+        if self.exact is None:
+            self._launch_ready()
 
     def _begin(self) -> None:
         self._in_pass, self._launched, self._works, self._synced = True, 0, [], False
-        self._keeping = self.on_failure is not None and self.keeps_local()
+        self._keeping = self.on_failure is not None and self.exact is None and self.keeps_local()
         for b in self.buckets:
             b.missing, b.arrived = len(b.params), [False] * len(b.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -240,11 +249,7 @@ class GradSync:
         bucket = self.buckets[b]
         last = b == len(self.buckets) - 1
         if last:
-            tail = bucket.buffer[bucket.size:] if self._control is None else self._control
-            tail.zero_()
-            tail[self.rank] = float(self.control())
-            for rider, start, end in self._rides:
-                rider.fill(tail[start:end], self.rank)
+            self._fill_tail()
         if self.error is not None:
             return
         if self._keeping:
@@ -277,7 +282,11 @@ class GradSync:
                 if not bucket.arrived[i]:
                     view.zero_()
             bucket.missing = 0
-        self._launch_ready()
+        if self.exact is not None:
+            if not self._exact_shard():
+                return
+        else:
+            self._launch_ready()
         self._wait()
         if self.error is not None and self._keeping and self._recovered(self.error):
             self._redo()
@@ -291,13 +300,61 @@ class GradSync:
             rider.take(tail[start:end])
         if self.share and not self.share.riding:
             self.share.finish()
-        for bucket in self.buckets:
-            bucket.grads.div_(self.world)
+        if self.exact is None:
+            for bucket in self.buckets:
+                bucket.grads.div_(self.world)
         for bucket in partial:
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # an old gradient: now 0
                     p.grad = view
         self._synced = True
+
+    def _exact_shard(self) -> bool:
+        """A shard's backward ended: keep its gradients; after the last of this rank's, add every shard's in fixed
+        point across the ranks (the mean over V lands in the buckets). Whether the exchange ran."""
+        ex = self.exact
+        last = ex.done + 1 >= len(ex.here)
+        ex.keep([b.grads for b in self.buckets], last)
+        if not last:
+            for b in self.buckets:
+                b.grads.zero_()  # the next shard's backward starts from zero: its own gradient, not a float sum
+            return False
+        try:
+            with internal():
+                exps = torch.tensor(ex.exponents(), dtype=torch.int64)
+                dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=self.group)
+                nonfinite = bool((exps >= NONFINITE).any())
+                totals = [] if nonfinite else [ex.fixed(b, scale_bits(int(e), ex.shards)) for b, e in enumerate(exps)]
+                self._works = [dist.all_reduce(t, group=self.group, async_op=True) for t in totals]
+                self._launch_tail()
+                self._wait()
+            if self.error is None:
+                for bucket, total, e in zip(self.buckets, totals, exps):
+                    from_fixed(total, scale_bits(int(e), ex.shards), ex.shards, bucket.grads)
+                if nonfinite:
+                    for bucket in self.buckets:
+                        bucket.grads.fill_(float("nan"))
+        except (RuntimeError, CollectiveFailed) as exc:
+            self._fail(exc)
+        finally:
+            ex.clear()
+        return True
+
+    def _fill_tail(self) -> torch.Tensor:
+        """The control slots and the riders, this rank's values written, zeros elsewhere (each slot is one rank's)."""
+        last = self.buckets[-1]
+        tail = last.buffer[last.size:] if self._control is None else self._control
+        tail.zero_()
+        tail[self.rank] = float(self.control())
+        for rider, start, end in self._rides:
+            rider.fill(tail[start:end], self.rank)
+        return tail
+
+    def _launch_tail(self) -> None:
+        """The tail for the exact sum, summed in float on its own (exact: one rank's value per slot)."""
+        self._works.append(dist.all_reduce(self._fill_tail(), group=self.group, async_op=True))
+        if self.share and not self.share.riding:
+            self._works += self.share.launch(self.rank, self.group)
 
     def _wait(self) -> None:
         for work in self._works:

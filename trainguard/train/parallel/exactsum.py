@@ -1,0 +1,100 @@
+"""A gradient sum whose bits do not depend on the world size: V virtual data shards, summed exactly.
+
+Why floats cannot do it. The gradient exchange (gradsync.py) adds the ranks' gradients in float, in an
+order fixed by its layout and the world size: the same world gives the same bits, another world another
+order, and float addition is not associative. An elastic job that goes on at W-1 ranks (issue 41), or a
+job restarted on fewer hosts, would train on other bits.
+
+What it does instead. The global batch is defined over V fixed virtual shards; a rank of W holds the
+contiguous range `shard_range(V, W, rank)` and runs one backward per shard. Each shard's gradient is
+kept as it came out of its backward (the same bits wherever the shard runs, given its data and its
+random numbers), then converted to fixed point with a shared exponent per bucket and added as 64-bit
+integers, on the rank and across ranks. Integer addition is associative and exact, so the sum is
+the same integers for every W and every placement of the shards; it is converted back once, and the
+mean is that sum divided by V.
+
+The exponent. Every shard's gradient in a bucket is scaled by 2**k, where k makes the largest magnitude
+in the bucket over all shards (`all_reduce(MAX)` of one small integer per bucket, the only extra
+collective) fit V times below 2**62: no sum can overflow, and every float32 element within 2**-34 of the
+bucket's largest keeps all its 24 bits (the rounding of smaller ones is the same on every W as well).
+Scaling by a power of two is exact in float64, the rounding to integers is a pure function of each
+value, and the conversion back rounds an exact integer once.
+
+Non-finite gradients. An inf or NaN in any shard (a float16 overflow that a GradScaler is about to skip)
+has no fixed-point form: the MAX carries a flag, and every rank's gradients become NaN, so the scaler
+skips the step on every rank alike.
+
+Pure functions and one small class; gradsync.py runs the collectives.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+INT_BITS = 62  # |sum over V shards| < 2**62: room for the sign and for the all-reduce's own adds
+NONFINITE = 1 << 20  # an exponent no finite float reaches (float64's is at most 1024): the flag in the MAX
+
+
+def shard_range(shards: int, world: int, rank: int) -> range:
+    """The virtual shards rank `rank` of `world` holds: contiguous, the first `shards % world` ranks one more."""
+    if not 1 <= world <= shards or not 0 <= rank < world:
+        raise ValueError(f"{shards} virtual shards cannot be held by rank {rank} of {world}")
+    base, extra = divmod(shards, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def exponent(grads: list[torch.Tensor]) -> int:
+    """The smallest e with |g| < 2**e for every element of these gradients (one bucket, this rank's shards);
+    NONFINITE if one of them is inf or NaN."""
+    top = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+    if not math.isfinite(top):
+        return NONFINITE
+    return math.frexp(top)[1] if top else -1074
+
+
+def scale_bits(exp: int, shards: int) -> int:
+    """k such that V values below 2**exp, each scaled by 2**k and rounded, add up below 2**INT_BITS."""
+    return INT_BITS - exp - max(1, math.ceil(math.log2(shards)))
+
+
+def to_fixed(grad: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """round(grad * 2**bits) as int64, added into `out` when given (exact: integers)."""
+    q = torch.ldexp(grad.double(), torch.tensor(bits, dtype=torch.float64)).round_().to(torch.int64)
+    return q if out is None else out.add_(q)
+
+
+def from_fixed(total: torch.Tensor, bits: int, shards: int, out: torch.Tensor) -> None:
+    """out = (total / 2**bits) / shards, in out's dtype: the mean over the V shards."""
+    out.copy_(torch.ldexp(total.double(), torch.tensor(-bits, dtype=torch.float64)).div_(shards))
+
+
+class ShardGrads:
+    """This rank's shards' gradients for one step, bucket by bucket, as each shard's backward left them."""
+
+    def __init__(self, shards: int, here: range):
+        self.shards, self.here = shards, here
+        self.kept: list[list[torch.Tensor]] = []  # per shard done: a copy of each bucket's gradients
+
+    @property
+    def done(self) -> int:
+        return len(self.kept)
+
+    def keep(self, grads: list[torch.Tensor], last: bool) -> None:
+        """A shard's backward ended; the last shard's gradients are used in place (no copy)."""
+        self.kept.append(grads if last else [g.clone() for g in grads])
+
+    def exponents(self) -> list[int]:
+        return [exponent([shard[b] for shard in self.kept]) for b in range(len(self.kept[0]))]
+
+    def fixed(self, b: int, bits: int) -> torch.Tensor:
+        """Bucket b's gradients over this rank's shards, in fixed point (int64), summed in shard order."""
+        total = to_fixed(self.kept[0][b], bits)
+        for shard in self.kept[1:]:
+            to_fixed(shard[b], bits, total)
+        return total
+
+    def clear(self) -> None:
+        self.kept = []
