@@ -17,8 +17,9 @@ The exponent. Every shard's gradient in a bucket is scaled by 2**k, where k make
 in the bucket over all shards (`all_reduce(MAX)` of one small integer per bucket, the only extra
 collective) fit V times below 2**62: no sum can overflow, and every float32 element within 2**-34 of the
 bucket's largest keeps all its 24 bits (the rounding of smaller ones is the same on every W as well).
-Scaling by a power of two is exact in float64, the rounding to integers is a pure function of each
-value, and the conversion back rounds an exact integer once.
+Scaling by a power of two is exact (in float32, or float64 for float64 gradients; half types are scaled in
+float32), the rounding to integers is a pure function of each value, and the conversion back rounds an
+exact integer once.
 
 Non-finite gradients. An inf or NaN in any shard (a float16 overflow that a GradScaler is about to skip)
 has no fixed-point form: the MAX carries a flag, and every rank's gradients become NaN, so the scaler
@@ -35,6 +36,8 @@ import torch
 
 INT_BITS = 62  # |sum over V shards| < 2**62: room for the sign and for the all-reduce's own adds
 NONFINITE = 1 << 20  # an exponent no finite float reaches (float64's is at most 1024): the flag in the MAX
+ZERO = -149  # the exponent of a bucket of zeros: below every nonzero float32's (the smallest is 2**-149)
+ONE_FACTOR = 120  # a power of two beyond this is applied as two factors, each inside float32's range
 
 
 def shard_range(shards: int, world: int, rank: int) -> range:
@@ -52,7 +55,7 @@ def exponent(grads: list[torch.Tensor]) -> int:
     top = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
     if not math.isfinite(top):
         return NONFINITE
-    return math.frexp(top)[1] if top else -1074
+    return math.frexp(top)[1] if top else ZERO
 
 
 def scale_bits(exp: int, shards: int) -> int:
@@ -60,15 +63,30 @@ def scale_bits(exp: int, shards: int) -> int:
     return INT_BITS - exp - max(1, math.ceil(math.log2(shards)))
 
 
+def _times_power_of_two(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x * 2**bits in x's dtype: exact (but where the result leaves the normal range), one pass per factor."""
+    if abs(bits) <= ONE_FACTOR:
+        return x * 2.0 ** bits
+    half = bits // 2
+    return (x * 2.0 ** half).mul_(2.0 ** (bits - half))
+
+
+def _wide(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or in float64 for float64 gradients: a float16's range would overflow at 2**62."""
+    return x.to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
 def to_fixed(grad: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """round(grad * 2**bits) as int64, added into `out` when given (exact: integers)."""
-    q = torch.ldexp(grad.double(), torch.tensor(bits, dtype=torch.float64)).round_().to(torch.int64)
+    """round(grad * 2**bits) as int64, added into `out` when given (exact: integers). In the gradient's own float
+    dtype: scaled below 2**62, a float32 is an integer already once it is past 2**24, and rounds exactly below."""
+    q = _times_power_of_two(_wide(grad.dtype, grad), bits).round_().to(torch.int64)
     return q if out is None else out.add_(q)
 
 
 def from_fixed(total: torch.Tensor, bits: int, shards: int, out: torch.Tensor) -> None:
-    """out = (total / 2**bits) / shards, in out's dtype: the mean over the V shards."""
-    out.copy_(torch.ldexp(total.double(), torch.tensor(-bits, dtype=torch.float64)).div_(shards))
+    """out = (total / 2**bits) / shards, in out's dtype: the mean over the V shards (the integer rounded once to
+    out's dtype, then scaled exactly, then divided)."""
+    out.copy_(_times_power_of_two(_wide(out.dtype, total), -bits).div_(shards))
 
 
 class ShardGrads:

@@ -1,0 +1,121 @@
+"""What the exact sum over virtual shards costs a step (train/parallel/exactsum.py; issue 41), against torch's
+DistributedDataParallel, on real gloo processes.
+
+Each worker process builds the same MLP (1M or 5M parameters) and runs, alternating in blocks of `--steps`
+steps, (a) torch's DDP with a batch of B per rank, and (b) trainguard's gradient exchange in exact mode with
+V virtual shards: each rank holds V/W shards and runs one forward and backward per shard, on B*W/V samples
+each, so the global batch (V shards of B*W/V) is the same. V = W is the cost of the exact sum alone (one
+shard a rank); V = 2W adds the split of a rank's batch into two backwards. Step time: median over all blocks
+of rank 0's per-block mean; the ratio is exact over DDP.
+
+    python bench/elastic_exact.py [--workers 2 4] [--width 1024] [--blocks 6] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def mlp(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def _worker(rank: int, world: int, port: int, args, shards: int, out: dict) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainguard.train.parallel.exactsum import shard_range
+    from trainguard.train.parallel.gradsync import GradSync
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    plain_model, exact_model = mlp(args.width), mlp(args.width)
+    exact_model.load_state_dict(plain_model.state_dict())
+    ddp = DistributedDataParallel(plain_model)
+    sync = GradSync(exact_model)
+    sync.set_shards(shards)
+    sync.attach(dist.group.WORLD)
+    here = shard_range(shards, world, rank)
+    per_shard = args.batch * world // shards
+    x, y = torch.randn(args.batch, 256), torch.randint(0, 10, (args.batch,))
+    optimizers = {"ddp": torch.optim.SGD(ddp.parameters(), lr=0.01),
+                  "exact": torch.optim.SGD(exact_model.parameters(), lr=0.01)}
+
+    def step(kind: str) -> None:
+        opt = optimizers[kind]
+        opt.zero_grad()
+        if kind == "ddp":
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        else:
+            for i, _ in enumerate(here):
+                part = slice(i * per_shard, (i + 1) * per_shard)
+                nn.functional.cross_entropy(exact_model(x[part]), y[part]).backward()
+            sync.result()
+        opt.step()
+
+    times: dict[str, list[float]] = {"ddp": [], "exact": []}
+    for kind in ("ddp", "exact"):  # warm-up
+        for _ in range(3):
+            step(kind)
+    for block in range(args.blocks):
+        for kind in (("ddp", "exact") if block % 2 == 0 else ("exact", "ddp")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(kind)
+            times[kind].append((time.perf_counter() - t0) / args.steps)
+    if rank == 0:
+        out.update(times)
+    store.add("done", 1)
+    while int(store.add("done", 0)) < world:
+        time.sleep(0.01)
+    store.add("gone", 1)
+    while rank == 0 and int(store.add("gone", 0)) < world:
+        time.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--width", type=int, default=1024, help="hidden width: 1024 is 1.3M parameters")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    params = sum(p.numel() for p in mlp(args.width).parameters())
+    print(f"MLP of {params / 1e6:.2f}M parameters, {args.batch} samples a rank a step; "
+          f"{args.blocks} alternating blocks of {args.steps} steps")
+    for world in args.workers:
+        for shards in (world, 2 * world):
+            with mp.Manager() as manager:
+                out = manager.dict()
+                mp.start_processes(_worker, args=(world, free_port(), args, shards, out), nprocs=world,
+                                   start_method="spawn")
+                ddp, exact = statistics.median(out["ddp"]), statistics.median(out["exact"])
+            print(f"W={world} V={shards:<2}  DDP {ddp * 1e3:7.2f} ms   exact {exact * 1e3:7.2f} ms   "
+                  f"ratio {exact / ddp:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
