@@ -1,8 +1,7 @@
 """Environment → typed, validated configuration.
 
-Every variable name is declared once, below. Each TG_* name has a MindSpore alias (MS_*);
-torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and OpenMPI's OMPI_COMM_WORLD_* are
-recognised too. A bad value raises ConfigError naming the variable and the expected form.
+Every variable name is declared once, below. Each TG_* name has a MindSpore alias (MS_*); torchrun's RANK/WORLD_SIZE/
+MASTER_ADDR/MASTER_PORT and OpenMPI's OMPI_COMM_WORLD_* are recognised too. A bad value raises ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from .strategies import (
     RecoverStrategy,
     parse_strategy,
     require_implemented,
+    virtual_shards,
 )
 
 # --- names (declared once) ----------------------------------------------------
@@ -42,6 +42,7 @@ JOIN_TIMEOUT_ENV = "TG_JOIN_TIMEOUT"
 COLLECTIVE_TIMEOUT_ENV = "TG_COLLECTIVE_TIMEOUT"
 EXACT_ENV = "TG_EXACT"  # the replay audit (train/engine/audit.py): warn (default), strict or off
 EXACT_MODES = ("warn", "strict", "off")
+VIRTUAL_SHARDS_ENV = "TG_VIRTUAL_SHARDS"  # the global batch over this many fixed data shards, summed exactly (0: off)
 HANG_TIMEOUT_ENV = "TG_HANG_TIMEOUT"  # seconds without progress while peers wait before a worker is replaced; 0 = off
 BACKEND_ENV = "TG_BACKEND"
 LOCAL_RANK_ENV = "TG_LOCAL_RANK"
@@ -115,6 +116,7 @@ class ClusterConfig:
     collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     hang_timeout: float | None = None  # TG_HANG_TIMEOUT (control/waits.py); None: off
     exact: str = "warn"  # TG_EXACT: what a replayed step that differs from its first run leads to (audit.py)
+    virtual_shards: int = 0  # TG_VIRTUAL_SHARDS (train/parallel/exactsum.py); 0: the float sum over the ranks
     backend: str = "auto"
     local_rank: int | None = None
     flap_limit: int = DEFAULT_FLAP_LIMIT
@@ -272,6 +274,7 @@ def _common(env: Mapping[str, str]) -> dict:
         collective_timeout=env_seconds(env, COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S),
         hang_timeout=hang_timeout(env),
         exact=exact_mode(env.get(EXACT_ENV, ""), EXACT_ENV),
+        virtual_shards=virtual_shards(env.get(VIRTUAL_SHARDS_ENV, ""), VIRTUAL_SHARDS_ENV),
         backend=env.get(BACKEND_ENV, "auto").strip().lower() or "auto",
         local_rank=parse_int(LOCAL_RANK_ENV, local, lo=0) if local else None,
         flap_limit=parse_int(FLAP_LIMIT_ENV, flap, lo=1) if flap else DEFAULT_FLAP_LIMIT,

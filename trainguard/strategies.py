@@ -134,6 +134,20 @@ def parse_strategy(text: str | None, *, source: str = "--recover-strategy", max_
     return RecoverStrategy(frozenset(chosen), max_retries, elastic_deadline)
 
 
+def virtual_shards(raw: str, source: str, workers: int | None = None) -> int:
+    """TG_VIRTUAL_SHARDS / --virtual-shards (train/parallel/exactsum.py; elastic runs that stay exact): an int >= 0
+    (0 or unset: off), at least one shard per worker."""
+    text = str(raw).strip()
+    if text and not (text.isdigit() and text.isascii()):
+        raise ConfigError(f"{source}={raw!r} is invalid: expected an integer >= 0 (the number of virtual shards)")
+    shards = int(text or 0)
+    if shards and workers is not None and shards < workers:
+        raise ConfigError(f"{source}={shards} is fewer than the job's {workers} workers: every worker holds at least "
+                          f"one virtual shard. Give at least {workers} (a multiple of the sizes the job may shrink "
+                          f"to keeps the shards even, e.g. 12 for 4, 3 and 2 workers)")
+    return shards
+
+
 def require_implemented(strategy: RecoverStrategy, source: str = "--recover-strategy") -> RecoverStrategy:
     """At start: a strategy in NOT_IMPLEMENTED parses, but is refused until it is built (never silently replaced)."""
     missing = [s for s in Strategy if s in strategy.chosen and s in NOT_IMPLEMENTED]

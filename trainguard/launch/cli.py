@@ -25,12 +25,14 @@ from ..config import (
     ROLE_ENV,
     SCHED_HOST_ENV,
     SCHED_PORT_ENV,
+    VIRTUAL_SHARDS_ENV,
     WORKER_NUM_ENV,
     Role,
     check_recovery_path,
     exact_mode,
     from_env,
 )
+from ..strategies import virtual_shards
 from ..errors import CheckpointError, ConfigError
 from ..tlsconfig import ENABLE_SSL_ENV, SSL_CONFIG_ENV
 from ..tlsconfig import read as read_tls
@@ -129,6 +131,10 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--exact", choices=EXACT_MODES,
                      help="a step replayed after a fault that differs from its first run: warn (say so), strict (end "
                           "the job, exit 80), off (no audit) (default TG_EXACT, else warn)")
+    run.add_argument("--virtual-shards", dest="virtual_shards",
+                     help="define the global batch over this many fixed data shards and sum their gradients exactly, "
+                          "so the result has the same bits at every world size (elastic runs stay exact); "
+                          "default TG_VIRTUAL_SHARDS, else off")
     run.add_argument("--hang-timeout", dest="hang_timeout", type=float,
                      help="seconds a worker may make no progress (no step, collective or batch) while its peers wait "
                           "for it before its stacks are printed and it is replaced (default TG_HANG_TIMEOUT, else off)")
@@ -237,7 +243,10 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
                       hot_spares=_hot_spares(args), recover_strategy=strategy,
                       grace_s=grace, slots=args.slots or 0, placement=placement_policy(args, env),
                       metrics_port=args.metrics_port, hang_timeout=resolve_hang_timeout(args, env),
-                      exact=exact_mode(args.exact or env.get(EXACT_ENV, ""), "--exact" if args.exact else EXACT_ENV))
+                      exact=exact_mode(args.exact or env.get(EXACT_ENV, ""), "--exact" if args.exact else EXACT_ENV),
+                      virtual_shards=virtual_shards(args.virtual_shards or env.get(VIRTUAL_SHARDS_ENV, ""),
+                                                    "--virtual-shards" if args.virtual_shards else VIRTUAL_SHARDS_ENV,
+                                                    args.workers * (args.nnodes or 1)))
     if not Path(args.script).is_file():
         raise ConfigError(f"script {args.script!r} not found")
     host_env, port_env = _first(env, SCHED_HOST_ENV), _first(env, SCHED_PORT_ENV)

@@ -19,7 +19,7 @@ from ..config import (
     DEFAULT_GRACE_PERIOD_S, ELASTIC_DEADLINE_ENV, ENABLE_RECOVERY_ENV, EXACT_ENV, GRACE_PERIOD_ENV,
     HANG_TIMEOUT_ENV, JOB_SECRET_ENV, JOB_SECRET_FILE_ENV, LOCAL_RANK_ENV, MAX_RETRIES_ENV, MAX_SLOTS,
     MAX_WORKER_NUM, METRICS_PORT_ENV, NODE_ID_ENV, RECOVER_STRATEGY_ENV, RECOVERY_PATH_ENV, ROLE_ENV,
-    SCHED_HOST_ENV, SCHED_PORT_ENV, TERMINAL_ENV, WORKER_NUM_ENV, Role,
+    SCHED_HOST_ENV, SCHED_PORT_ENV, TERMINAL_ENV, VIRTUAL_SHARDS_ENV, WORKER_NUM_ENV, Role,
 )
 from ..control.auth import worker_secret
 from ..control.placement import PlacementPolicy
@@ -229,6 +229,7 @@ class LaunchSpec:
     grace_s: float = DEFAULT_GRACE_S  # --grace-period / TG_GRACE_PERIOD: signal -> dying-gasp save -> SIGKILL
     hang_timeout: float | None = None  # --hang-timeout / TG_HANG_TIMEOUT (control/waits.py); None: off
     exact: str = "warn"  # --exact / TG_EXACT: the replay audit (train/engine/audit.py)
+    virtual_shards: int = 0  # --virtual-shards / TG_VIRTUAL_SHARDS (train/parallel/exactsum.py)
     sched_exit_wait_s: float = DEFAULT_SCHED_EXIT_WAIT_S
     recover_strategy: RecoverStrategy = _DEFAULT_STRATEGY
     slots: int = 0  # recover: workers this host can run (--slots); 0 = its own worker count
@@ -326,6 +327,7 @@ def _cluster_env(base: Mapping[str, str], spec: LaunchSpec, role: Role) -> dict[
     env[ELASTIC_DEADLINE_ENV] = f"{spec.recover_strategy.elastic_deadline:g}"
     env[HANG_TIMEOUT_ENV] = f"{spec.hang_timeout:g}" if spec.hang_timeout else "0"
     env[EXACT_ENV] = spec.exact
+    env[VIRTUAL_SHARDS_ENV] = str(spec.virtual_shards)
     env.pop(JOB_SECRET_FILE_ENV, None)
     secret = spec.secret if spec.secret is None or role is Role.SCHEDULER else worker_secret(spec.secret)
     set_env(env, JOB_SECRET_ENV, secret.decode() if secret is not None else None)  # a worker's: control/auth.py

@@ -31,6 +31,8 @@ from ..state.streams import fetch_pass, key_seed
 from . import passes, streamstate
 from .loaderseed import seed_loader_samples
 from .plainloaders import Resumable
+from ...worker import runtime as rt_mod
+from ..parallel.exactsum import shard_range
 from .sampler import ShardedSampler, sharded_sampler
 
 
@@ -45,9 +47,18 @@ class DistributedSampler(ShardedSampler):
 
 
 class DataLoader(torch.utils.data.DataLoader, Resumable):
-    """A drop-in for torch's DataLoader; see the module docstring."""
+    """A drop-in for torch's DataLoader; see the module docstring. Under virtual shards a loader with a
+    DistributedSampler hands this rank's shards' batches together (`batch_size` samples each, shard after shard):
+    split them with `micro_batches`."""
 
     def __init__(self, *args, **kwargs):
+        rt = rt_mod.active()
+        sampler = kwargs.get("sampler")
+        if rt is not None and rt.cfg.virtual_shards and isinstance(sampler, ShardedSampler):
+            here = shard_range(rt.cfg.virtual_shards, rt.world_size, rt.rank)
+            batch = kwargs.pop("batch_size", args[1] if len(args) > 1 else 1)
+            sampler.set_virtual(rt.cfg.virtual_shards, here, batch)
+            args, kwargs = args[:1] + args[2:], {**kwargs, "batch_size": batch * len(here)}
         super().__init__(*args, **kwargs)
         self.tg_index = rewind_mod.next_loader_index()
         self.tg_kept = streamstate.attach(self)  # a stream that keeps its own position: its workers' states
@@ -68,6 +79,29 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
         if self.tg_kept is not None:
             return _quietly(lambda: streamstate.kept_pass(self, session, anchor), key)
         return _quietly(self.plain_iter, key)
+
+
+def micro_batches(*batch):
+    """One step's batch, split into the micro-batch of each virtual shard this rank holds (`--virtual-shards`): run
+    a forward and a backward for each, then `optimizer.step()` once; don't divide the loss, the exchange averages
+    over the shards. Without virtual shards, the batch itself, once. Tensors, and tuples, lists or dicts of them."""
+    rt = rt_mod.active()
+    n = len(shard_range(rt.cfg.virtual_shards, rt.world_size, rt.rank)) if rt and rt.cfg.virtual_shards else 1
+    for i in range(n):
+        part = [_part(x, i, n) for x in batch]
+        yield part[0] if len(part) == 1 else tuple(part)
+
+
+def _part(x, i: int, n: int):
+    if isinstance(x, torch.Tensor):
+        if len(x) % n:
+            raise ConfigError(f"a batch of {len(x)} cannot be split into {n} virtual shards' micro-batches")
+        return x[i * (len(x) // n):(i + 1) * (len(x) // n)]
+    if isinstance(x, dict):
+        return {k: _part(v, i, n) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_part(v, i, n) for v in x)
+    return x
 
 
 def guarded_iter(loader, before=None):

@@ -18,6 +18,11 @@ has consumed a prefix of the global order, ``consumed(p)`` indices long. ``resha
 takes ``rest[k::num_shards]``, so every index of the epoch is still handed out exactly once
 (up to the padding of the last phase). Positions count from the phase's start; a new epoch
 starts at base 0.
+
+Virtual shards (``set_virtual``; ``--virtual-shards V``, train/parallel/exactsum.py): virtual shard ``s`` takes
+``order[s::V]``, padded (or truncated, with ``drop_last``) to whole steps of ``b`` samples; this rank's batch for
+step ``j`` is its shards' ``j``-th ``b`` samples, shard after shard. The epoch's steps, and which samples each
+shard trains at each step, are the same at every world size; nothing is re-sharded when the world changes.
 """
 
 from __future__ import annotations
@@ -90,6 +95,19 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         self._position = 0  # indices handed out so far in the current epoch (in its current phase)
         self._base = 0  # global-order offset where the current phase starts (0 unless re-sharded mid-epoch)
         self.keys_seed: int | None = None  # the job seed: indices go out as SampleKeys (loaderseed.py)
+        self.virtual: tuple[int, range, int] | None = None  # (V, this rank's shards, samples a shard a step)
+
+    def set_virtual(self, shards: int, here: range, batch: int) -> None:
+        """Hand out this rank's virtual shards' samples, `batch` a shard a step (module docstring)."""
+        self.virtual = (shards, here, _check_int("batch_size", batch, 1))
+        self._num_shards, self._shard_id = shards, here.start
+
+    def _per_shard(self) -> int:
+        """Samples a virtual shard takes in an epoch: whole steps of `batch`."""
+        shards, _, batch = self.virtual
+        if self.drop_last:
+            return self._n // shards // batch * batch
+        return math.ceil(math.ceil(self._n / shards) / batch) * batch
 
     # --- sharding -------------------------------------------------------------
     @property
@@ -249,10 +267,17 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         return self._padded(self._order(epoch), self._base)
 
     def indices(self, epoch: int | None = None) -> list[int]:
-        """This shard's full index list for an epoch (its current phase)."""
-        return self.phase_order(epoch)[self.shard_id :: self.num_shards]
+        """This shard's full index list for an epoch (its current phase; its virtual shards' step by step)."""
+        if self.virtual is None:
+            return self.phase_order(epoch)[self.shard_id :: self.num_shards]
+        (shards, here, batch), per = self.virtual, self._per_shard()
+        order = self._order(epoch)
+        order = (order * math.ceil(shards * per / max(1, len(order))))[:shards * per]
+        return [order[s + shards * (j * batch + i)] for j in range(per // batch) for s in here for i in range(batch)]
 
     def __len__(self) -> int:
+        if self.virtual is not None:
+            return len(self.virtual[1]) * self._per_shard()
         return self._len_for(self.num_shards, self._base)
 
     def __iter__(self) -> Iterator[int]:

@@ -12,8 +12,7 @@
 
 - `start_epoch()` (or the first forward, batch or optimizer step) joins the job's state: fresh, from a peer (a
   replacement), or from disk (a rerun after a graceful stop).
-- `optimizer.step()` applies the update only if the step's gradient exchange completed, and counts the step. A
-  forward's buffer changes (BatchNorm) are part of the step.
+- `optimizer.step()` applies the update only if the step's exchange completed, and counts it (with BatchNorm's updates).
 - State: model, optimizer, the LR scheduler given here, and any object with `state_dict()` /
   `load_state_dict()` registered with `register_state` (a GradScaler, a second scheduler). They are
   held, never patched: their `state_dict()` still pickles. Schedulers on the optimizer, GradScalers
@@ -114,7 +113,8 @@ class Guard:
         self.session = session
         self.audit = Audit(rt.cfg.exact != "off" and not rt.cfg.recover_strategy.elastic)  # other batches by design
         if isinstance(model, DataParallel):
-            model.on_forward, model.after_forward = self.before_forward, self.after_forward
+            model.on_forward, model.after_forward, model.on_shard = (  # on_shard: a virtual shard's draws
+                self.before_forward, self.after_forward, lambda shard: session.streams.shard_begins(session.step, shard))
         elif model is not None:
             self._hooks = [model.register_forward_pre_hook(lambda _m, _args: self.before_forward(), prepend=True),
                            # before FSDP2 gathers the parameters: a copy taken at the step's start reads the sharded ones
@@ -143,7 +143,7 @@ class Guard:
             self._armed = None
         atexit.unregister(self._at_exit)
         if isinstance(self.model, DataParallel):
-            self.model.on_forward = self.model.after_forward = None
+            self.model.on_forward = self.model.after_forward = self.model.on_shard = None
             self.model.close()
         for hook in self._hooks:
             hook.remove()

@@ -174,7 +174,7 @@ class Recovery:
         elif not session.phase.shards:  # a fresh start: the phase of this world
             session.phase = elastic.Phase.of({}, rt.world_size)
         if session.sync is not None:
-            session.state.model.rebuild(rt.group)
+            session.state.model.rebuild(rt.group, rt.cfg.virtual_shards)
         if session.buffers is not None:
             session.buffers.refresh()
         session.holds_state = True
@@ -194,7 +194,7 @@ class Recovery:
         """The loaders and streams go on from the restored position (the loop's next batch, the next step's seeds)."""
         session = self.session
         session.restores += 1
-        if session.strategy.elastic and session.sampler is not None:
+        if session.strategy.elastic and session.sampler is not None and not session.sampler.virtual:
             # a new world size: split the rest of the epoch
             session.phase, session.epoch, session.in_epoch = elastic.reshard(
                 session.phase, rt=session.rt, sampler=session.sampler, loader=session.state.loader,

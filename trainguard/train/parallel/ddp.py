@@ -12,6 +12,12 @@ because recovery hands every rank the same state. A fresh job starts from rank 0
 DDP's broadcast before each forward would, but they ride in the step's exchange instead
 (train/state/buffers.py), so a forward makes no collective and a skipped step puts them back.
 With `broadcast_buffers=False` each rank keeps its own, and a replacement takes a peer's.
+
+Virtual shards (`--virtual-shards V`, train/parallel/exactsum.py): each training forward is one shard's, in the
+order of the rank's range, and draws its random numbers from the shard's key (`on_shard`). Every shard's
+forward starts from the step's buffers, and the step ends with the buffers as shard 0's forward left them (rank 0
+holds shard 0 at every world size; they ride to every rank as above): BatchNorm's running statistics after a
+step are a function of shard 0's batch, whatever the world.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import weakref
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -59,10 +66,14 @@ class DataParallel(nn.Module):
         if broadcast_buffers:
             self.sync.share = BufferShare(buffers)
         object.__setattr__(self, "buffer_guard", BufferGuard(buffers))
+        object.__setattr__(self, "_own_buffers", buffers)
+        object.__setattr__(self, "_buffers_at_step", [])  # under virtual shards: the buffers as the step began
+        object.__setattr__(self, "_buffers_first", None)  # and as the rank's first shard's forward left them
         object.__setattr__(self, "group", None)
         self.on_forward: Callable[[], None] | None = None  # the guard starts the job on first use (train/engine/guard.py)
         self.after_forward: Callable[[tuple, dict, object], None] | None = None  # (args, kwargs, output): keys the
         # random streams after a training forward, and the replay audit fingerprints it
+        self.on_shard: Callable[[int], None] | None = None  # a virtual shard's forward begins: key its draws
         DataParallel.instances.add(self)
 
     @property
@@ -76,9 +87,39 @@ class DataParallel(nn.Module):
     def training(self, mode: bool) -> None:
         pass  # nn.Module.train() sets the children's, the wrapped module's
 
-    def rebuild(self, group: dist.ProcessGroup) -> None:
+    def rebuild(self, group: dist.ProcessGroup, shards: int = 0) -> None:
         object.__setattr__(self, "group", group)
+        self.sync.set_shards(shards)
+        self.sync.before_sum = self._shard_buffers_done
         self.sync.attach(group)
+
+    def current_shard(self) -> int | None:
+        """The virtual shard a training forward now would be (None without virtual shards, or outside training)."""
+        ex = self.sync.exact
+        if ex is None or not (torch.is_grad_enabled() and self.training) or ex.done >= len(ex.here):
+            return None
+        return ex.here[ex.done]
+
+    def _shard_buffers(self) -> None:
+        """Before a shard's training forward: the first one keeps the step's buffers; a later one keeps what the
+        first left (once) and starts again from the step's (module docstring)."""
+        if not self._own_buffers:
+            return
+        if self.sync.exact.done == 0:
+            self._buffers_at_step = [b.clone() for b in self._own_buffers]
+            self._buffers_first = None
+            return
+        if self._buffers_first is None:
+            self._buffers_first = [b.clone() for b in self._own_buffers]
+        for b, saved in zip(self._own_buffers, self._buffers_at_step):
+            b.copy_(saved)
+
+    def _shard_buffers_done(self) -> None:
+        """The rank's last shard's backward ended: its buffers are as its first shard's forward left them."""
+        if self._buffers_first is not None:
+            for b, saved in zip(self._own_buffers, self._buffers_first):
+                b.copy_(saved)
+        self._buffers_first = None
 
     def drop(self) -> None:
         object.__setattr__(self, "group", None)
@@ -130,6 +171,10 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         if self.on_forward is not None:
             self.on_forward()
+        if (shard := self.current_shard()) is not None:
+            self._shard_buffers()
+            if self.on_shard is not None:
+                self.on_shard(shard)
         out = self.module(*args, **kwargs)
         if self.after_forward is not None:
             self.after_forward(args, kwargs, out)

@@ -25,14 +25,18 @@ Non-finite gradients. An inf or NaN in any shard (a float16 overflow that a Grad
 has no fixed-point form: the MAX carries a flag, and every rank's gradients become NaN, so the scaler
 skips the step on every rank alike.
 
-Pure functions and one small class; gradsync.py runs the collectives.
+Pure functions, one small class, and `exact_mean`, the collectives gradsync.py runs after the last shard.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
+import torch.distributed as dist
+
+from ...errors import ConfigError
 
 INT_BITS = 62  # |sum over V shards| < 2**62: room for the sign and for the all-reduce's own adds
 NONFINITE = 1 << 20  # an exponent no finite float reaches (float64's is at most 1024): the flag in the MAX
@@ -116,3 +120,29 @@ class ShardGrads:
 
     def clear(self) -> None:
         self.kept = []
+
+    def unfinished(self) -> ConfigError:
+        """The optimizer steps before this rank ran a backward for each of its shards."""
+        return ConfigError(
+            f"under --virtual-shards {self.shards} this rank holds shards {self.here.start}..{self.here.stop - 1} and "
+            f"runs one forward and backward for each before optimizer.step(), but it ran {self.done}: split the "
+            "step's batch with `for x, y in trainguard.micro_batches(x, y):`")
+
+
+def exact_mean(ex: ShardGrads, grads: list[torch.Tensor], group, launch_more: Callable[[], list]) -> None:
+    """After the rank's last shard's backward: every shard's gradients, bucket by bucket, added in fixed point over
+    the ranks, and their mean over the V shards written into `grads` (the last shard's own). `launch_more()`
+    launches what else travels with the exchange and returns its works."""
+    exps = torch.tensor(ex.exponents(), dtype=torch.int64)
+    dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)
+    nonfinite = bool((exps >= NONFINITE).any())
+    bits = [scale_bits(int(e), ex.shards) for e in exps]
+    totals = [] if nonfinite else [ex.fixed(b, k) for b, k in enumerate(bits)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in totals] + launch_more()
+    for work in works:
+        work.wait()
+    for grad, total, k in zip(grads, totals, bits):
+        from_fixed(total, k, ex.shards, grad)
+    if nonfinite:
+        for grad in grads:
+            grad.fill_(float("nan"))

@@ -64,7 +64,7 @@ from torch import nn
 
 from ...errors import CollectiveFailed
 from ...worker.collectives import internal
-from .exactsum import NONFINITE, ShardGrads, from_fixed, scale_bits, shard_range
+from .exactsum import ShardGrads, exact_mean, shard_range
 
 MB = 1 << 20
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MB  # a freed block larger than this leaves glibc's thresholds where they are
@@ -132,6 +132,7 @@ class GradSync:
         self.enabled = True  # False inside no_sync()
         self.shards = 0  # virtual shards (set_shards): 0 for the float sum over the ranks
         self.exact: ShardGrads | None = None  # this step's shards' gradients, under virtual shards
+        self.before_sum: Callable[[], None] | None = None  # after the rank's last shard's backward (ddp.py: buffers)
         # a failed exchange done again with this rank's own gradients, in the next generation (train/engine/instep.py):
         # `on_failure(error)` recovers and says whether to; the gradients are kept as launched (one copy) in the
         # backwards where `keeps_local()` said, at their start, that a failure would be recovered so
@@ -216,7 +217,7 @@ class GradSync:
     # --- one backward -----------------------------------------------------------------------
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self.group is None or not (self.enabled or self.exact):
+        if self.group is None or (not self.enabled and self.exact is None):  # a shard's backward always counts
             return
         if not self._in_pass:
             self._begin()
@@ -319,21 +320,11 @@ class GradSync:
             for b in self.buckets:
                 b.grads.zero_()  # the next shard's backward starts from zero: its own gradient, not a float sum
             return False
+        if self.before_sum is not None:
+            self.before_sum()
         try:
             with internal():
-                exps = torch.tensor(ex.exponents(), dtype=torch.int64)
-                dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=self.group)
-                nonfinite = bool((exps >= NONFINITE).any())
-                totals = [] if nonfinite else [ex.fixed(b, scale_bits(int(e), ex.shards)) for b, e in enumerate(exps)]
-                self._works = [dist.all_reduce(t, group=self.group, async_op=True) for t in totals]
-                self._launch_tail()
-                self._wait()
-            if self.error is None:
-                for bucket, total, e in zip(self.buckets, totals, exps):
-                    from_fixed(total, scale_bits(int(e), ex.shards), ex.shards, bucket.grads)
-                if nonfinite:
-                    for bucket in self.buckets:
-                        bucket.grads.fill_(float("nan"))
+                exact_mean(ex, [b.grads for b in self.buckets], self.group, self._launch_tail)
         except (RuntimeError, CollectiveFailed) as exc:
             self._fail(exc)
         finally:
@@ -350,11 +341,10 @@ class GradSync:
             rider.fill(tail[start:end], self.rank)
         return tail
 
-    def _launch_tail(self) -> None:
-        """The tail for the exact sum, summed in float on its own (exact: one rank's value per slot)."""
-        self._works.append(dist.all_reduce(self._fill_tail(), group=self.group, async_op=True))
-        if self.share and not self.share.riding:
-            self._works += self.share.launch(self.rank, self.group)
+    def _launch_tail(self) -> list:
+        """The tail for the exact sum, summed in float on its own (exact: one rank's value per slot); its works."""
+        works = [dist.all_reduce(self._fill_tail(), group=self.group, async_op=True)]
+        return works + (self.share.launch(self.rank, self.group) if self.share and not self.share.riding else [])
 
     def _wait(self) -> None:
         for work in self._works:
@@ -391,6 +381,8 @@ class GradSync:
         deferred, self.deferred = self.deferred, None
         if deferred is not None:
             raise deferred
+        if self.exact is not None and self.exact.done:
+            raise self.exact.unfinished()
         if self.error is not None:
             raise self.error
 

@@ -107,6 +107,12 @@ class Streams:
         self.forwards = 0
         self._seed(str(step))
 
+    def shard_begins(self, step: int, shard: int) -> None:
+        """Under virtual shards, a training forward of `shard` begins: its draws (dropout) are the shard's, the same
+        on whichever rank and world it runs (train/parallel/exactsum.py)."""
+        if self.seed is not None:
+            seed_streams(key_seed(self.seed, 0, f"shard/{shard}/{step}"))
+
     def forward_done(self, step: int) -> None:
         self.forwards += 1
         self._seed(f"{step}/{self.forwards}")

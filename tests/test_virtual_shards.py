@@ -1,0 +1,111 @@
+"""Virtual shards (`--virtual-shards V`; train/parallel/exactsum.py): a trainer written as people write them
+(tests/jobs/vshards.py: BatchNorm, dropout, SGD with momentum, a StepLR, an eval pass) trains to the same bits at
+every world size, so an elastic job that shrinks and grows back with real kill -9s ends torch.equal to an
+uninterrupted run, with the same loss at every step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import REPO, assert_identical, env, events
+
+from trainguard.launch.policy import EXIT_CONFIG
+
+pytestmark = pytest.mark.timeout(240)
+
+JOB = REPO / "tests" / "jobs" / "vshards.py"
+SHARDS = "12"
+
+
+def run(out: Path, workers: int, *flags: str, fault: str = "", epochs: int = 3, job_args: tuple = ()):
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--virtual-shards", SHARDS,
+           "--recovery-path", str(out / "recovery"), *flags, str(JOB), "--out", str(out), "--epochs", str(epochs),
+           *job_args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(TG_FAULT=fault), capture_output=True, text=True, timeout=200)
+    (out / "launcher.log").parent.mkdir(parents=True, exist_ok=True)
+    (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return proc
+
+
+def result(out: Path) -> tuple[dict, dict[int, float]]:
+    """The final state, and the loss of every step (a step run again after a fault: its last run)."""
+    losses = {}
+    for line in (out / "losses.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        losses[entry["step"]] = entry["loss"]
+    return torch.load(out / "final.pt"), losses
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, tuple]:
+    """Uninterrupted runs on 4 workers, for 3 and 4 epochs."""
+    runs = {}
+    for epochs in (3, 4):
+        out = tmp_path_factory.mktemp(f"uninterrupted{epochs}")
+        proc = run(out, 4, epochs=epochs)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[epochs] = result(out)
+    return runs
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_two_and_three_workers_train_to_the_bits_of_four(tmp_path, uninterrupted, workers):
+    proc = run(tmp_path, workers)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state, losses = result(tmp_path)
+    assert_identical(uninterrupted[3][0], state, f"{workers} workers")
+    assert losses == uninterrupted[3][1]
+
+
+def test_without_virtual_shards_the_world_size_changes_the_result(tmp_path, uninterrupted):
+    """The test above can fail: the float sum over 3 ranks of their 4 shards each is other bits."""
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--recovery-path", str(tmp_path / "r"),
+           str(JOB), "--out", str(tmp_path), "--epochs", "3", "--batch-size", "16"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state, _ = result(tmp_path)
+    assert not all(torch.equal(a, b) for a, b in zip(state["model"].values(), uninterrupted[3][0]["model"].values()))
+
+
+def test_a_kill_with_no_replacement_shrinks_4_to_3_and_ends_bit_identical(tmp_path, uninterrupted):
+    """Rank 1 is killed after step 8 and its replacements die at start (a host that stays down): after the
+    elastic deadline the job goes on at 3 workers, and ends with every tensor and every step's loss equal."""
+    proc = run(tmp_path, 4, "--recover-strategy", "elastic", "--elastic-deadline", "1", fault="1:8:kill",
+               job_args=("--restarted", "die"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worlds = [e["world_size"] for e in events(tmp_path) if e["event"] == "generation_formed"]
+    assert worlds == [4, 3], worlds
+    state, losses = result(tmp_path)
+    assert_identical(uninterrupted[3][0], state, "4 -> 3")
+    assert losses == uninterrupted[3][1]
+
+
+def test_two_kills_shrink_4_to_2_and_the_returns_grow_it_back_to_4_bit_identical(tmp_path, uninterrupted):
+    """Two kills, each replacement back 4 s later (past the 1-s deadline): 4 -> 3 -> 2 -> 3 -> 4 workers."""
+    proc = run(tmp_path, 4, "--recover-strategy", "elastic", "--elastic-deadline", "1", fault="1:5:kill,2:9:kill",
+               epochs=4, job_args=("--restarted", "wait", "4", "--step-sleep", "0.3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worlds = [e["world_size"] for e in events(tmp_path) if e["event"] == "generation_formed"]
+    assert min(worlds) == 2 and worlds[0] == worlds[-1] == 4, worlds
+    state, losses = result(tmp_path)
+    assert_identical(uninterrupted[4][0], state, "4 -> 2 -> 4")
+    assert losses == uninterrupted[4][1]
+
+
+def test_a_step_that_does_not_split_its_batch_is_refused_naming_micro_batches(tmp_path):
+    proc = run(tmp_path, 3, job_args=("--no-split",))
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert "--virtual-shards 12 this rank holds shards" in proc.stderr, proc.stderr[-3000:]
+    assert "trainguard.micro_batches" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_fewer_shards_than_workers_is_refused_at_start(tmp_path):
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "4", "--virtual-shards", "3", str(JOB),
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_CONFIG and "fewer than the job's 4 workers" in proc.stderr, proc.stderr[-2000:]
