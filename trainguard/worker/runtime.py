@@ -34,12 +34,13 @@ from .hang import LeftBehind, die_hung, dump_on_request, print_stacks
 from .ledger import beat, failed_at, ledger
 from .mpchild import refuse_a_rerun_by_multiprocessing
 from .sever import GroupSockets, open_sockets, scheduler_peers
-from .store import SchedulerStore, generation_prefix
+from .store import SchedulerStore, generation_prefix, leave_together
 
 log = logging.getLogger("trainguard.worker.runtime")
 
 _runtime: "Runtime | None" = None
 MAX_BUILD_FAILURES = 5
+LEAVE_TOGETHER_S = 5.0  # at most this long a rank that ends its script waits for its peers to end theirs (store.py)
 ERROR_VOTE_S = 30.0  # how long a rank whose script raised waits to learn whether every rank raised the same
 
 
@@ -272,6 +273,8 @@ class Runtime:
             return
         self.finished = True
         try:
+            if ok and not stopped and self.group is not None:  # the last collective done on every rank (store.py)
+                leave_together(self._store, self.generation, self.rank, self.world_size, LEAVE_TOGETHER_S)
             self.client.finish(ok, detail, stopped=stopped, patience=patience)
         except (TrainguardError, OSError) as exc:
             log.warning("could not tell the scheduler this worker finished: %s", exc)

@@ -7,6 +7,7 @@ join a newer group. Each generation also gets its own key prefix.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from ..control import protocol as p
 from ..control.client import SchedulerClient
 from ..control.msgbase import MAX_WAIT_S
+from ..errors import TrainguardError
 
 
 def _b(value) -> bytes:
@@ -59,6 +61,23 @@ class SchedulerStore(dist.Store):
 
     def set_timeout(self, timeout):
         self._timeout = min(timeout.total_seconds(), MAX_WAIT_S)  # a longer wait is refused by the scheduler
+
+
+def leave_together(store: SchedulerStore, generation: int, rank: int, world_size: int, seconds: float) -> bool:
+    """An exit barrier in the scheduler's store: this rank says it leaves, then waits (at most `seconds`) until every
+    rank of the generation has said so, so that no rank severs its connections while a peer still finishes the last
+    collective with it (gloo ends such a peer with std::terminate, SIGABRT). Whether all arrived."""
+    key = f"trainguard/leaving/g{generation}"
+    keys, deadline = [f"{key}/{r}" for r in range(world_size)], time.monotonic() + seconds
+    try:
+        store.set(f"{key}/{rank}", b"1")
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+    except (TrainguardError, OSError):  # the generation or the job is over: nobody to wait for
+        return False
+    return True
 
 
 def generation_prefix(generation: int) -> str:
