@@ -8,7 +8,13 @@ each, so the global batch (V shards of B*W/V) is the same. V = W is the cost of 
 shard a rank); V = 2W adds the split of a rank's batch into two backwards. Step time: median over all blocks
 of rank 0's per-block mean; the ratio is exact over DDP.
 
-    python bench/elastic_exact.py [--workers 2 4] [--width 1024] [--blocks 6] [--steps 10]
+    python bench/elastic_exact.py [--workers 2 4] [--width 1024] [--blocks 6] [--steps 10] [--shrink-runs 3]
+
+Then the shrink (`--shrink-runs`): tests/jobs/vshards.py (the digits trainer of tests/test_virtual_shards.py) under
+`trainguard run --workers 4 --virtual-shards 12 --recover-strategy elastic --elastic-deadline 1`, rank 1 killed
+after step 10 and its replacements dying at start: the time from the kill to the first step finished at 3
+workers (trainguard's own "MTTR" line: the elastic deadline is in it), and the median step time at 4 and at 3
+workers (from the job's per-step timestamps).
 """
 
 from __future__ import annotations
@@ -89,6 +95,32 @@ def _worker(rank: int, world: int, port: int, args, shards: int, out: dict) -> N
         time.sleep(0.01)
 
 
+def shrink_once(tmp: Path) -> tuple[float, float, float]:
+    """(MTTR, step time at 4 workers, step time at 3) of one shrink, in seconds."""
+    import json
+    import re
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TG_FAULT": "1:10:kill"}
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "4", "--virtual-shards", "12", "--recover-strategy",
+           "elastic", "--elastic-deadline", "1", "--recovery-path", str(tmp / "recovery"),
+           str(repo / "tests" / "jobs" / "vshards.py"), "--out", str(tmp), "--epochs", "6", "--restarted", "die"]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    found = re.search(r"MTTR ([0-9.]+) s", proc.stdout + proc.stderr)
+    if proc.returncode != 0 or found is None:
+        sys.exit(f"the shrink run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    times = {}
+    for line in (tmp / "losses.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        times[entry["step"]] = entry["t"]
+    steps = sorted(times)
+    gaps = {s: times[s] - times[p] for p, s in zip(steps, steps[1:]) if s == p + 1}
+    before = [g for s, g in gaps.items() if 2 <= s <= 10]
+    after = [g for s, g in gaps.items() if s >= 14]
+    return float(found.group(1)), statistics.median(before), statistics.median(after)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,6 +134,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--shrink-runs", type=int, default=3)
     args = parser.parse_args()
     params = sum(p.numel() for p in mlp(args.width).parameters())
     print(f"MLP of {params / 1e6:.2f}M parameters, {args.batch} samples a rank a step; "
@@ -115,6 +148,16 @@ def main() -> None:
                 ddp, exact = statistics.median(out["ddp"]), statistics.median(out["exact"])
             print(f"W={world} V={shards:<2}  DDP {ddp * 1e3:7.2f} ms   exact {exact * 1e3:7.2f} ms   "
                   f"ratio {exact / ddp:.3f}", flush=True)
+    if args.shrink_runs:
+        import tempfile
+
+        runs = []
+        for _ in range(args.shrink_runs):
+            with tempfile.TemporaryDirectory() as tmp:
+                runs.append(shrink_once(Path(tmp)))
+        mttr, at4, at3 = (statistics.median(r[i] for r in runs) for i in range(3))
+        print(f"shrink 4 -> 3 (elastic deadline 1 s), {len(runs)} runs, medians: kill to the first step at 3 workers "
+              f"{mttr:.3f} s; step {at4 * 1e3:.1f} ms at 4 workers, {at3 * 1e3:.1f} ms at 3 ({at3 / at4:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,18 @@ def test_two_and_three_workers_train_to_the_bits_of_four(tmp_path, uninterrupted
     assert losses == uninterrupted[3][1]
 
 
+def test_noise_drawn_in_two_loader_workers_is_the_same_on_three_workers_as_on_four(tmp_path):
+    """Each sample's draws in a loader worker are keyed by the sample (train/data/loaderseed.py), not the rank."""
+    results = []
+    for workers in (4, 3):
+        out = tmp_path / str(workers)
+        proc = run(out, workers, job_args=("--num-workers", "2"), epochs=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(result(out))
+    assert_identical(results[0][0], results[1][0], "3 workers")
+    assert results[0][1] == results[1][1]
+
+
 def test_without_virtual_shards_the_world_size_changes_the_result(tmp_path, uninterrupted):
     """The test above can fail: the float sum over 3 ranks of their 4 shards each is other bits."""
     cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--recovery-path", str(tmp_path / "r"),
@@ -102,6 +114,12 @@ def test_a_step_that_does_not_split_its_batch_is_refused_naming_micro_batches(tm
     assert proc.returncode == 78, proc.stderr[-3000:]
     assert "--virtual-shards 12 this rank holds shards" in proc.stderr, proc.stderr[-3000:]
     assert "trainguard.micro_batches" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_model_not_wrapped_in_trainguard_ddp_is_refused_at_start(tmp_path):
+    proc = run(tmp_path, 2, job_args=("--no-ddp",))
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert "--virtual-shards 12 needs the model wrapped in trainguard.DDP" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_fewer_shards_than_workers_is_refused_at_start(tmp_path):

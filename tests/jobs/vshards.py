@@ -30,6 +30,8 @@ parser.add_argument("--batch-size", type=int, default=4, help="samples a virtual
 parser.add_argument("--restarted", nargs="+", default=None)
 parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--no-split", action="store_true", help="one backward on the whole batch: refused")
+parser.add_argument("--no-ddp", action="store_true", help="the model left unwrapped: refused")
+parser.add_argument("--num-workers", type=int, default=0, help="loader workers; with some, noise is drawn per sample")
 args = parser.parse_args()
 
 started = os.path.join(args.out, "started", os.environ.get("TG_NODE_ID", "x"))
@@ -45,15 +47,29 @@ tg.init()
 torch.manual_seed(0)
 X, y = load_digits(return_X_y=True)
 X, y = torch.tensor(X, dtype=torch.float32) / 16.0, torch.tensor(y)
-train, test = TensorDataset(X[:480], y[:480]), TensorDataset(X[480:], y[480:])
+test = TensorDataset(X[480:], y[480:])
+
+
+class Noisy(torch.utils.data.Dataset):
+    """The training digits, each drawn with noise from torch's global generator (as torchvision's random transforms
+    draw) when the loader has workers."""
+
+    def __len__(self):
+        return 480
+
+    def __getitem__(self, i):
+        return X[i] + (0.05 * torch.randn(64) if args.num_workers else 0), y[i]
+
+
+train = Noisy()
 
 net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
-model = tg.DDP(net)
+model = net if args.no_ddp else tg.DDP(net)
 base = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=7, gamma=0.7)
 optimizer = tg.Optimizer(base, lr_scheduler=scheduler)
 sampler = tg.DistributedSampler(train, shuffle=True, seed=1)
-loader = tg.DataLoader(train, batch_size=args.batch_size, sampler=sampler)
+loader = tg.DataLoader(train, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
 
 for epoch in range(tg.start_epoch(), args.epochs):
     sampler.set_epoch(epoch)
@@ -70,7 +86,7 @@ for epoch in range(tg.start_epoch(), args.epochs):
         scheduler.step()
         if tg.get_rank() == 0:
             with open(os.path.join(args.out, "losses.jsonl"), "a") as f:
-                f.write(json.dumps({"step": scheduler.last_epoch, "loss": total.item()}) + "\n")
+                f.write(json.dumps({"step": scheduler.last_epoch, "loss": total.item(), "t": time.time()}) + "\n")
         time.sleep(args.step_sleep)
     model.eval()
     with torch.no_grad():

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from ...checkpoint.blob import unpack
 from ...control.outcomes import RestoreDecision, SourceKind
 from ...control.reports import RestoreReport, ShardedRestoreReport
-from ...errors import ClusterFailed, CollectiveFailed, FencedError, RecoveryError, Rewind
+from ...errors import ClusterFailed, CollectiveFailed, ConfigError, FencedError, RecoveryError, Rewind
 from ...worker.transfer import broadcast_int, recv_bytes, send_bytes
 from ..data import phase as elastic
 from ..state.train_state import TrainState, job_seed
@@ -175,6 +175,11 @@ class Recovery:
             session.phase = elastic.Phase.of({}, rt.world_size)
         if session.sync is not None:
             session.state.model.rebuild(rt.group, rt.cfg.virtual_shards)
+        elif rt.cfg.virtual_shards:
+            raise ConfigError(f"--virtual-shards {rt.cfg.virtual_shards} needs the model wrapped in trainguard.DDP, "
+                              f"whose exchange adds the shards exactly; this job's model is a "
+                              f"{type(session.state.model).__name__} (sharded models and torch's DDP are not covered): "
+                              "wrap it in trainguard.DDP, or leave --virtual-shards out")
         if session.buffers is not None:
             session.buffers.refresh()
         session.holds_state = True
