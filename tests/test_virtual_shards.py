@@ -104,6 +104,9 @@ def test_two_kills_shrink_4_to_2_and_the_returns_grow_it_back_to_4_bit_identical
     assert proc.returncode == 0, proc.stderr[-3000:]
     worlds = [e["world_size"] for e in events(tmp_path) if e["event"] == "generation_formed"]
     assert min(worlds) == 2 and worlds[0] == worlds[-1] == 4, worlds
+    report = subprocess.run([sys.executable, "-m", "trainguard", "report", str(tmp_path / "recovery")], cwd=REPO,
+                            env=env(), capture_output=True, text=True, timeout=60).stdout
+    assert "world size: 4 (generation 1," in report and "-> 2 (generation" in report, report  # each change, reported
     state, losses = result(tmp_path)
     assert_identical(uninterrupted[4][0], state, "4 -> 2 -> 4")
     assert losses == uninterrupted[4][1]

@@ -52,6 +52,8 @@ def render(tl: Timeline) -> str:
                        "it), so detect shows 0 and the total counts from the detection")
     else:
         out += ["", "no recoveries"]
+    if len(tl.worlds) > 1:  # elastic: the job shrank or grew
+        out += ["", "world size: " + " -> ".join(f"{w} (generation {g}, {ts - tl.t0:.1f} s)" for ts, g, w in tl.worlds)]
     if tl.verdicts:
         out += ["", "verdicts (replay audit, desyncs, hangs):",
                 *(f"  {e['ts'] - tl.t0:.2f} s: {verdict_line(e)}" for e in tl.verdicts)]
@@ -71,4 +73,5 @@ def as_json(tl: Timeline) -> dict[str, Any]:
                             "phases": {p.name: p.seconds for p in r.phases}, "total_s": r.total_s,
                             "mttr_s": r.mttr_s, "from_step": r.from_step, "to_step": r.to_step,
                             "lost_steps": r.lost_steps, "sources": r.sources} for r in tl.recoveries],
-            "checkpoints": tl.checkpoints, "stops": tl.stops, "faults": tl.faults, "verdicts": tl.verdicts}
+            "checkpoints": tl.checkpoints, "stops": tl.stops, "faults": tl.faults, "verdicts": tl.verdicts,
+            "worlds": [{"ts": ts, "generation": g, "world_size": w} for ts, g, w in tl.worlds]}

@@ -91,6 +91,7 @@ class Timeline:
     progress: list[tuple[float, int]]  # (ts, committed step) samples from rank 0
     lifetimes: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> first, last event naming it
     verdicts: list[dict] = field(default_factory=list)  # replay mismatches, desyncs and hangs (their events)
+    worlds: list[tuple[float, int, int]] = field(default_factory=list)  # (ts, generation, world size) at each change
 
     @property
     def wall_s(self) -> float:
@@ -159,8 +160,12 @@ def build(events: list[dict[str, Any]]) -> Timeline:
         if isinstance(r, int) and r >= 0:
             lifetimes[r] = (lifetimes.get(r, (e["ts"],))[0], e["ts"])
     verdicts = [e for e in evs if e["event"] in VERDICT_EVENTS]
+    worlds: list[tuple[float, int, int]] = []  # elastic: where a generation formed with another size
+    for e in _at(evs, GENERATION_FORMED):
+        if isinstance(e.get("world_size"), int) and (not worlds or worlds[-1][2] != e["world_size"]):
+            worlds.append((e["ts"], e.get("generation", 0), e["world_size"]))
     return Timeline(evs[0]["ts"], evs[-1]["ts"], ranks, recoveries, sorted(faults, key=lambda f: f["ts"]),
-                    checkpoints, stops, progress, lifetimes, verdicts)
+                    checkpoints, stops, progress, lifetimes, verdicts, worlds)
 
 
 VERDICT_EVENTS = ("replay_mismatch", "desync", "hang_detected")
