@@ -84,6 +84,16 @@ def test_without_virtual_shards_the_world_size_changes_the_result(tmp_path, unin
     assert not all(torch.equal(a, b) for a, b in zip(state["model"].values(), uninterrupted[3][0]["model"].values()))
 
 
+def test_kills_in_a_forward_an_exchange_and_after_a_commit_recover_in_place_bit_identical(tmp_path, uninterrupted):
+    """Without elastic (a hot spare replaces each dead rank), under --exact strict: three kill -9s at 3 workers."""
+    proc = run(tmp_path, 3, fault="1:8:kill,2:15:kill-forward,0:22:kill-exchange")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count("trainguard: recovery ") == 3, proc.stderr[-3000:]
+    state, losses = result(tmp_path)
+    assert_identical(uninterrupted[3][0], state, "3 kills")
+    assert losses == uninterrupted[3][1]
+
+
 def test_a_kill_with_no_replacement_shrinks_4_to_3_and_ends_bit_identical(tmp_path, uninterrupted):
     """Rank 1 is killed after step 8 and its replacements die at start (a host that stays down): after the
     elastic deadline the job goes on at 3 workers, and ends with every tensor and every step's loss equal."""

@@ -322,6 +322,8 @@ class GradSync:
             return False
         if self.before_sum is not None:
             self.before_sum()
+        if self.after_launch is not None:  # the exchange begins (a fault injection point: faults.py)
+            self.after_launch()
         try:
             with internal():
                 exact_mean(ex, [b.grads for b in self.buckets], self.group, self._launch_tail)
