@@ -28,6 +28,9 @@ are the originals), under `trainguard run` with 3 ranks:
   with NumPy and torch in `__getitem__`, mixup, `no_sync` accumulation, a warm-up and cosine LambdaLR, an EMA
   `AveragedModel`, all_reduced meters, rank 0's own checkpoint), ported in 4 lines: every fault bit-identical under
   `trainguard verify`.
+- accum.py: a trainer with gradient accumulation written blind for torchrun (accum_torchrun.py), whose step loop
+  counts from 0 within the epoch: after a mid-epoch restore its extra steps, past the end of the data, are skipped
+  (before: exit 0, "lost 0 steps", other weights); accum_vshards.py, its port to virtual shards, shrinks 4 -> 3 exact.
 - closure.py: `optimizer.step(closure)`, as torch's optimizer docs show it, killed in a step under `trainguard verify`;
   LBFGS, which evaluates its closure several times a step, ends the job at once with exit 78 naming the fix.
 - torch's and trainguard's DDP write and read the same `state_dict()` (keys prefixed "module."), so a script's own
@@ -231,6 +234,45 @@ def test_an_imagenet_style_trainer_written_blind_is_bit_identical_at_every_fault
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("kill -9", "SIGTERM"))]
     assert len(rows) == 4 and all(" identical" in r for r in rows), proc.stdout
+
+
+def accum(out: Path, script: str, faults: str = "", *flags: str, workers: int = WORKERS) -> subprocess.CompletedProcess:
+    """tests/jobs/`script` for 2 epochs; its final state in OUT/final.pt."""
+    out.mkdir()
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--recovery-path", str(out / "recovery"),
+           *flags, str(JOBS / script), "--epochs", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=out, env=env(TG_FAULT=faults), capture_output=True, text=True, timeout=240)
+    (out / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_a_blind_accumulation_loop_that_counts_its_steps_from_0_skips_the_steps_past_the_data(tmp_path):
+    """tests/jobs/accum.py (written blind for torchrun, ported in 4 lines): after a kill in the middle of an epoch, its
+    `for step in range(steps_per_epoch)` makes more steps than the resumed loader has batches; they have none and
+    are skipped, their scheduler steps undone. Before, the run ended with exit 0, "lost 0 steps" and other weights
+    (8 extra LR-scheduler steps in that epoch)."""
+    original, port = ((JOBS / name).read_text().split('"""', 2)[2] for name in ("accum_torchrun.py", "accum.py"))
+    assert "trainguard" not in original
+    assert len(set(port.splitlines()) - set(original.splitlines())) == 6  # 3 import lines, init, Optimizer, start_epoch
+    accum(tmp_path / "uninterrupted", "accum.py")
+    for fault in ("1:8:kill", "2:28:kill-forward"):  # in epoch 0 (20 steps an epoch on 3 workers), and in the last one
+        proc = accum(tmp_path / fault, "accum.py", fault)
+        assert "after the training loader's pass over epoch" in proc.stderr and "skipped" in proc.stderr
+        assert_identical(torch.load(tmp_path / "uninterrupted" / "final.pt"), torch.load(tmp_path / fault / "final.pt"),
+                         fault)
+
+
+def test_the_blind_accumulation_loop_on_virtual_shards_shrinks_from_4_to_3_bit_identical(tmp_path):
+    """tests/jobs/accum_vshards.py on 12 virtual shards: rank 1 killed and replaced at step 8, rank 2 killed at step
+    16 with no restart left (4 -> 3 workers): every tensor equal to an uninterrupted run on 4 workers."""
+    accum(tmp_path / "uninterrupted", "accum_vshards.py", "", "--virtual-shards", "12", workers=4)
+    accum(tmp_path / "shrunk", "accum_vshards.py", "1:8:kill,2:16:kill", "--virtual-shards", "12", "--recover-strategy",
+          "elastic", "--elastic-deadline", "1", "--max-restarts", "1", workers=4)
+    worlds = [e["world_size"] for e in events(tmp_path / "shrunk") if e["event"] == "generation_formed"]
+    assert worlds[0] == 4 and worlds[-1] == 3, worlds
+    assert_identical(torch.load(tmp_path / "uninterrupted" / "final.pt"), torch.load(tmp_path / "shrunk" / "final.pt"),
+                     "4 -> 3")
 
 
 def test_a_trainer_that_steps_with_a_closure_is_bit_identical(tmp_path):

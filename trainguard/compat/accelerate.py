@@ -32,7 +32,8 @@ import torch
 
 from ..errors import ConfigError
 from ..train.data.replayed import PassStarts, ReplayedLoader
-from ..train.engine.guard import Optimizer, register_state
+from ..train.engine.guard import register_state
+from ..train.engine.optimizer import Optimizer
 from ..train.engine.resume import restored, start_epoch, start_step
 from ..train.parallel.ddp import DataParallel
 

@@ -55,7 +55,8 @@ from ..errors import ConfigError
 from ..train.data import loaders, passes
 from ..train.data.replayed import PassStarts, ReplayedLoader
 from ..train.engine import guard as guard_mod
-from ..train.engine.guard import Optimizer, register_state
+from ..train.engine.guard import register_state
+from ..train.engine.optimizer import Optimizer
 from ..train.parallel import sharding
 from ..train.parallel.ddp import DataParallel
 from . import lightning_state

@@ -47,9 +47,9 @@ from ..parallel import sharding
 from ..parallel.ddp import DataParallel
 from ..state import discover
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
-from ..state.shardckpt import ShardedCheckpoints, ShardedSaver
+from ..state.shardckpt import ShardedSaver
 from ..state.train_state import TrainState
-from . import audit, instep, tail, rewind as rewind_mod
+from . import audit, instep, pastend, tail, rewind as rewind_mod
 from .audit import Audit
 from .batches import StepBatches
 from .callbacks import Callback
@@ -65,13 +65,12 @@ _pending_state: dict[str, object] = {}  # register_state before the optimizer wa
 class Guard:
     """The process's commit-or-skip core for a hand-written loop: a Session it drives step by step."""
 
-    def __init__(self, optimizer: "Optimizer"):
+    def __init__(self, optimizer):  # a trainguard.Optimizer (optimizer.py)
         self.optimizer = optimizer
         self.session: Session | None = None
         self.model: torch.nn.Module | None = None  # a DataParallel, or a sharded model (train/parallel/sharding.py)
         self.stateful: dict[str, object] = dict(_pending_state)
-        self._armed = None
-        self._hooks: list = []  # the forward hooks on a sharded model
+        self._armed, self._hooks = None, []  # the signals' guard; the forward hooks on a model not in a DataParallel
         self.audit = Audit(False)  # the replay audit (audit.py), from the session's start
         self.in_step = False
         self.step_loader: int | None = None  # the loader whose batch began this step
@@ -79,6 +78,7 @@ class Guard:
         self.batches = StepBatches()  # the training batches each step takes (batches.py)
         self._resync: dict | None = None  # hand launches: hyperparameters to put back after an in-place recovery
         self.finished = False  # the job agreed to finish
+        self.past_end = pastend.PastTheData()  # steps past the end of the data, skipped (pastend.py)
 
     # --- start --------------------------------------------------------------------------------
 
@@ -181,6 +181,7 @@ class Guard:
         place where it can (instep.py). Started by hand, recoveries wait for the next training step."""
         session = self.ensure_started()
         ledger.progressed()  # a batch or a forward: this rank is not stuck (worker/ledger.py)
+        self.settle()
         if not session.rewinds or (between and instep.recover_between(session, self)):
             return
         session.before_step()
@@ -193,6 +194,7 @@ class Guard:
         if self._resync is not None:
             session.state.put_back(self._resync)
             self._resync = None
+        self.settle()
         session.streams.step_begins(session.step)  # after the batch that begins it was fetched (its own key)
         session.begin_step(batch)
         self.in_step = True
@@ -221,6 +223,8 @@ class Guard:
         loss = None
         if closure is not None:  # its backward is the step's gradient exchange: done before the update is decided
             loss = self._evaluate(closure)
+        if not self.in_step and closure is None and self.past_end.skip(session):  # the loop ran past the data
+            return None
         if not self.in_step:
             self.begin_step()
         self.in_step = False
@@ -250,9 +254,13 @@ class Guard:
         with torch.enable_grad():
             return closure()
 
+    def settle(self) -> None:
+        """What the script's `scheduler.step()` moved after steps skipped past the data is put back (pastend.py)."""
+        if self.session is not None:
+            self.past_end.settle(self.session.state)
+
     def _at_exit(self) -> None:
-        """The last barrier, unless the script is failing: a peer that fails at the very end still gets
-        its state from us."""
+        """The last barrier, unless the script is failing: a peer that fails at the very end gets its state from us."""
         session = self.session
         if session is None or session.rt.failed or session.rt.finished or self.finished:
             return
@@ -269,6 +277,7 @@ class Guard:
         session = self.session
         if session is None or session.rt.finished:
             return False
+        self.settle()
         try:
             session.flush_saves()  # the last step's checkpoint, due since its commit
         except rewind_mod.FAULTS as exc:
@@ -326,67 +335,22 @@ def current() -> Guard:
     return _guard
 
 
-# --- the wrappers ----------------------------------------------------------------------------
+def install(optimizer) -> "Guard":
+    """The process's guard, for its trainguard.Optimizer (optimizer.py): one per process."""
+    global _guard
+    if _guard is not None:
+        raise ConfigError("trainguard.Optimizer supports one optimizer per process; combine parameter groups "
+                          "into one optimizer")
+    _guard = Guard(optimizer)
+    _pending_state.clear()
+    return _guard
 
 
-class Optimizer:
-    """Wraps a torch optimizer: `step()` is the commit point (see the module docstring). An LR scheduler
-    given here is restored with the rest; it is held, not changed."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None,
-                 checkpoints: ShardedCheckpoints | None = None):
-        global _guard
-        if isinstance(optimizer, Optimizer):
-            raise ConfigError("this optimizer is wrapped twice in trainguard.Optimizer")
-        if _guard is not None:
-            raise ConfigError("trainguard.Optimizer supports one optimizer per process; combine parameter groups "
-                              "into one optimizer")
-        for name in ("state_dict", "load_state_dict"):
-            if lr_scheduler is not None and not callable(getattr(lr_scheduler, name, None)):
-                raise ConfigError(f"lr_scheduler has no {name}(): give a torch LR scheduler or any object with "
-                                  "state_dict() and load_state_dict()")
-        if checkpoints is not None and not isinstance(checkpoints, ShardedCheckpoints):
-            raise ConfigError(f"checkpoints={type(checkpoints).__name__}: give trainguard.ShardedCheckpoints(directory, "
-                              "prefix, every=N)")
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
-        self.checkpoints = checkpoints
-        _guard = self.guard = Guard(self)
-        _pending_state.clear()
-
-    def step(self, closure=None):
-        return self.guard.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, group) -> None:
-        self.optimizer.add_param_group(group)
-
-    def __getattr__(self, name: str):  # anything else (defaults, hooks, ...) is the wrapped optimizer's
-        if name in ("optimizer", "guard", "lr_scheduler", "checkpoints"):  # not set yet (e.g. a copy under construction)
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
 
 
 def register_state(name: str, obj) -> None:
-    """Make `obj` (anything with `state_dict()` and `load_state_dict()`: a GradScaler, a second LR scheduler,
-    a metric tracker) part of the job's state: restored with the model on a replacement, after a rewind and
-    from a checkpoint. Call it before training starts; names are unique."""
+    """Make `obj` (anything with `state_dict()` and `load_state_dict()`: a GradScaler, a second LR scheduler, a metric
+    tracker) part of the job's state, restored with the model anywhere. Call it before training; names are unique."""
     for attr in ("state_dict", "load_state_dict"):
         if not callable(getattr(obj, attr, None)):
             raise ConfigError(f"register_state({name!r}, ...): the object has no {attr}()")
