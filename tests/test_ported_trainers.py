@@ -31,6 +31,8 @@ are the originals), under `trainguard run` with 3 ranks:
 - accum.py: a trainer with gradient accumulation written blind for torchrun (accum_torchrun.py), whose step loop
   counts from 0 within the epoch: after a mid-epoch restore its extra steps, past the end of the data, are skipped
   (before: exit 0, "lost 0 steps", other weights); accum_vshards.py, its port to virtual shards, shrinks 4 -> 3 exact.
+- lr_by_hand.py: written blind, its LR computed from a step counter of its own: with `start_step()` bit-identical;
+  without it, the replay audit sees the replayed step's LR differ (before: exit 0, "lost 0 steps", other weights).
 - closure.py: `optimizer.step(closure)`, as torch's optimizer docs show it, killed in a step under `trainguard verify`;
   LBFGS, which evaluates its closure several times a step, ends the job at once with exit 78 naming the fix.
 - torch's and trainguard's DDP write and read the same `state_dict()` (keys prefixed "module."), so a script's own
@@ -261,6 +263,34 @@ def test_a_blind_accumulation_loop_that_counts_its_steps_from_0_skips_the_steps_
         assert "after the training loader's pass over epoch" in proc.stderr and "skipped" in proc.stderr
         assert_identical(torch.load(tmp_path / "uninterrupted" / "final.pt"), torch.load(tmp_path / fault / "final.pt"),
                          fault)
+
+
+def test_an_lr_computed_from_the_scripts_own_step_counter(tmp_path):
+    """tests/jobs/lr_by_hand.py (written blind; its LR computed from a `global_step` it keeps): ported with
+    `global_step = tg.start_step()`, a kill -9 mid-epoch ends bit-identical. Ported without it (the counter starts
+    again from 0 after the restore, so does the warm-up), the replay audit sees the replayed step's LR differ: under
+    --exact strict the job ends with exit 80 naming start_step. Before, that run ended with exit 0, "lost 0 steps"
+    and other weights."""
+    original, port = ((JOBS / name).read_text().split('"""', 2)[2] for name in ("lr_by_hand_torchrun.py",
+                                                                              "lr_by_hand.py"))
+    assert "trainguard" not in original
+    assert len(set(port.splitlines()) - set(original.splitlines())) == 7  # 3 imports, Optimizer (2), start_*
+    naive = tmp_path / "lr_naive.py"
+    naive.write_text((JOBS / "lr_by_hand.py").read_text().replace("global_step = tg.start_step()", "global_step = 0"))
+
+    def train(out: Path, script: Path, faults: str = "") -> subprocess.CompletedProcess:
+        out.mkdir()
+        cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(WORKERS), "--recovery-path",
+               str(out / "recovery"), str(script), "--epochs", "3", "--out", str(out)]
+        return subprocess.run(cmd, cwd=out, env=env(TG_FAULT=faults), capture_output=True, text=True, timeout=240)
+
+    for proc in (train(tmp_path / "uninterrupted", JOBS / "lr_by_hand.py"),
+                 train(tmp_path / "killed", JOBS / "lr_by_hand.py", "1:40:kill")):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_identical(torch.load(tmp_path / "uninterrupted" / "final.pt"), torch.load(tmp_path / "killed" / "final.pt"))
+    proc = train(tmp_path / "naive", naive, "1:40:kill")
+    assert proc.returncode == 80, proc.stderr[-3000:]
+    assert "with other hyperparameters" in proc.stderr and "global_step = trainguard.start_step()" in proc.stderr
 
 
 def test_the_blind_accumulation_loop_on_virtual_shards_shrinks_from_4_to_3_bit_identical(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -309,15 +310,30 @@ def _address(host: str, port: int) -> tuple[int, tuple]:
 
 
 def pick_free_port(host: str) -> int:
-    """A port the OS says is free on `host` now (bind port 0, read it, close)."""
-    family, addr = _address(host, 0)
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(addr)
-        except OSError as exc:
-            raise ConfigError(f"cannot open a port on --sched-host {host} ({exc.strerror}); "
-                              "give an address of this machine") from None
-        return sock.getsockname()[1]
+    """A port free on `host` now, below the kernel's ephemeral range where one is: a port the OS hands out (bind
+    port 0) comes from that range, and until the scheduler binds it every process's outgoing connections and gloo's
+    listeners draw from the same range (a parallel job took one once, and the scheduler could not listen)."""
+    low = _ephemeral_low()
+    for port in random.sample(range(max(1024, low - 8192), low), 16) + [0]:
+        family, addr = _address(host, port)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                if port and exc.errno == errno.EADDRINUSE:
+                    continue
+                raise ConfigError(f"cannot open a port on --sched-host {host} ({exc.strerror}); "
+                                  "give an address of this machine") from None
+            return sock.getsockname()[1]
+    raise AssertionError("unreachable: port 0 binds or raises")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default, 32768, where it cannot be read)."""
+    try:
+        return max(2048, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def check_port_free(host: str, port: int) -> None:

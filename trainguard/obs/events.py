@@ -226,6 +226,8 @@ def divergence(e: dict[str, Any]) -> str:
     if e.get("what") == "tail":
         return (f"the code after step {e.get('step')}'s update, {e.get('forward')} collective(s) before the fault, did "
                 f"not run again ({e.get('again')} after the restore)")
+    if e.get("what") == "hyperparameters":
+        return "its optimizer's hyperparameters (the LR) at that step differ from its first run"
     verb = "differ" if e.get("what") == "inputs" else "differs"
     return f"the {e.get('what')} of its training forward {e.get('forward')} {verb} from its first run"
 

@@ -12,6 +12,11 @@ spaced, copied on the tensor's own device; their bits are compared (`torch.equal
 -0.0 and NaN payloads count. The first run's fingerprints stay in this process across a rewind (the script
 runs again in the same process), for the last KEEP_STEPS steps.
 
+The update too: when the optimizer is about to step, its param groups' hyperparameters (the LR, momentum, betas,
+weight decay: what the script or its scheduler wrote) are fingerprinted as the step's forward 0, so a script that
+computes its LR from a counter of its own that started again from 0 after the restore is seen at the replayed
+step, though its forwards match.
+
 What it covers: every step a surviving rank runs again, the in-flight step of a data-parallel job and the
 steps since a sharded job's last in-memory copy alike. What it cannot: a step nobody ran before on that
 rank (a replacement's steps: its first run died with it), steps older than KEEP_STEPS, a job restarted
@@ -113,10 +118,18 @@ class Finding:
 
     step: int
     forward: int  # the forward's number in the step; for "tail", the collectives entered before the fault
-    what: str  # "inputs", "output", or "tail" (tail.py: code after the step's update skipped by the run after)
+    what: str  # "inputs", "output", "hyperparameters" (the update's), or "tail" (tail.py: code after the step's
+    # update skipped by the run after)
     again: int = 0  # for "tail": the collectives entered after the restore, before the next step began
 
     def describe(self, rank: int) -> str:
+        if self.what == "hyperparameters":
+            return (f"not bit-identical: rank {rank}'s optimizer was about to step at step {self.step} with other "
+                    "hyperparameters (the LR, momentum, weight decay) than in its first run, before the fault. Likely "
+                    "cause: the script computes them from a counter of its own that started again after the restore "
+                    "(`global_step = 0`, `iter_num = 0`). Fix: count from where the job is, "
+                    "`global_step = trainguard.start_step()`, or hand the object that holds the counter to "
+                    "`trainguard.register_state()`")
         if self.what == "tail":
             return (f"not bit-identical: rank {rank} entered {self.forward} collective(s) after step {self.step}'s "
                     f"update before the fault (code after `optimizer.step()`: a logged all_reduce, an eval, a save), "
@@ -181,6 +194,36 @@ class Audit:
         self.found = Finding(step, self.n, what)
         _first.clear()  # from here on this run is the reference
         return self.found
+
+    def update(self, step: int, groups: list[dict]) -> Finding | None:
+        """The optimizer is about to apply step `step`'s update: its hyperparameters' first run is recorded (as the
+        step's forward 0), their replay compared."""
+        if not self.enabled:
+            return None
+        now = (marks(hyperparameters(groups)), ())
+        first = _first.get((step, 0))
+        if first is None or self.found is not None:
+            _first[(step, 0)] = now
+            return None
+        if same(first[0], now[0]):
+            return None
+        self.found = Finding(step, 0, "hyperparameters")
+        _first.clear()
+        return self.found
+
+
+def hyperparameters(groups: list[dict]) -> torch.Tensor:
+    """The numbers of the optimizer's param groups (all but the parameters), in a fixed order, as float64."""
+    values: list[float] = []
+    for group in groups:
+        for key in sorted(k for k in group if k != "params"):
+            v = group[key]
+            for x in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(x, torch.Tensor) and x.numel() == 1:
+                    x = x.item()
+                if isinstance(x, (int, float)) and not isinstance(x, bool):
+                    values.append(float(x))
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def report(session, found: Finding) -> None:

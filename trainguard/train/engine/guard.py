@@ -228,6 +228,8 @@ class Guard:
         if not self.in_step:
             self.begin_step()
         self.in_step = False
+        if (found := self.audit.update(session.step, self.optimizer.param_groups)) is not None:
+            audit.report(session, found)  # the LR the script wrote: from a counter of its own that started again?
         batches = self.batches.commit()  # batches.py: one taken ahead is the next step's
         try:
             result = self.optimizer.optimizer.step()
