@@ -10,7 +10,7 @@ from . import guard as guard_mod
 
 
 class Optimizer:
-    """Wraps a torch optimizer: `step()` is the commit point (see the module docstring). An LR scheduler
+    """Wraps a torch optimizer: `step()` is the commit point (guard.py's docstring). An LR scheduler
     given here is restored with the rest; it is held, not changed."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, lr_scheduler=None,
