@@ -52,12 +52,10 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
     split them with `micro_batches`."""
 
     def __init__(self, *args, **kwargs):
-        rt = rt_mod.active()
-        sampler = kwargs.get("sampler")
-        if rt is not None and rt.cfg.virtual_shards and isinstance(sampler, ShardedSampler):
-            here = shard_range(rt.cfg.virtual_shards, rt.world_size, rt.rank)
+        sampler, here = kwargs.get("sampler"), shards_here()
+        if here is not None and isinstance(sampler, ShardedSampler):
             batch = kwargs.pop("batch_size", args[1] if len(args) > 1 else 1)
-            sampler.set_virtual(rt.cfg.virtual_shards, here, batch)
+            sampler.set_virtual(rt_mod.current().cfg.virtual_shards, here, batch)
             args, kwargs = args[:1] + args[2:], {**kwargs, "batch_size": batch * len(here)}
         super().__init__(*args, **kwargs)
         self.tg_index = rewind_mod.next_loader_index()
@@ -85,11 +83,17 @@ def micro_batches(*batch):
     """One step's batch, split into the micro-batch of each virtual shard this rank holds (`--virtual-shards`): run
     a forward and a backward for each, then `optimizer.step()` once; don't divide the loss, the exchange averages
     over the shards. Without virtual shards, the batch itself, once. Tensors, and tuples, lists or dicts of them."""
-    rt = rt_mod.active()
-    n = len(shard_range(rt.cfg.virtual_shards, rt.world_size, rt.rank)) if rt and rt.cfg.virtual_shards else 1
+    here = shards_here()
+    n = len(here) if here is not None else 1
     for i in range(n):
         part = [_part(x, i, n) for x in batch]
         yield part[0] if len(part) == 1 else tuple(part)
+
+
+def shards_here() -> range | None:
+    """The virtual shards this rank holds in this generation (`--virtual-shards`), or None without them."""
+    rt = rt_mod.active()
+    return shard_range(rt.cfg.virtual_shards, rt.world_size, rt.rank) if rt and rt.cfg.virtual_shards else None
 
 
 def _part(x, i: int, n: int):
