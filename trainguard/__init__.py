@@ -43,6 +43,7 @@ _LAZY = {
     "save_sharded": "checkpoint.sharded", "load_sharded": "checkpoint.reshard",
     "init_optimizer_state": "checkpoint.reshard", "recover_rank": "checkpoint.replicas",
     "fully_shard": "train.parallel.sharding", "parallelize_module": "train.parallel.sharding", "init_device_mesh": "train.parallel.sharding",
+    "PipelineStage": "train.parallel.pipeline", "build_stage": "train.parallel.pipeline",
     "MeshSpec": "meshspec", "ShardedCheckpoints": "train.state.shardckpt",
 }
 # MindSpore-style names (compat/mindspore.py), reachable here too for scripts written before it

@@ -39,7 +39,9 @@ from .sever import open_sockets
 NAMES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
          "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
          "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv",
-         "monitored_barrier", "all_gather_single", "reduce_scatter_single")
+         "monitored_barrier", "all_gather_single", "reduce_scatter_single",
+         "isend", "irecv", "batch_isend_irecv")  # the last three: a pipeline's point-to-point traffic, waited on later
+ASYNCHRONOUS = frozenset({"isend", "irecv", "batch_isend_irecv"})  # they return handles whatever their arguments
 # DTensor's functional collectives: launched by these, waited for by wait_tensor (module globals, found at call time)
 FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
               "wait_tensor", "all_reduce_coalesced", "all_gather_tensor_coalesced", "reduce_scatter_tensor_coalesced")
@@ -65,7 +67,7 @@ class Failures:
 
 
 failures = Failures()
-observers: list = []  # callables (name) run before each synchronous collective: fault injection (train/engine/faults.py)
+observers: list = []  # callables (name) run before each call but an async_op one: fault injection (train/engine/faults.py)
 gate = None  # callable (name) run before each of the script's own collectives, not trainguard's (worker/prologue.py)
 _own = threading.local()  # depth of trainguard's own collectives in this thread (`internal`)
 
@@ -141,6 +143,13 @@ class TypedWork(dist.Work):
         self.work.block_current_stream()
 
 
+def _typed_work(out, name: str, gen: int, point):
+    """An asynchronous call's handle, typed (anything else as it came)."""
+    if isinstance(out, dist.Work) and not isinstance(out, TypedWork):
+        return TypedWork(out, name, gen, point)
+    return out
+
+
 def _group_index(fn) -> int:
     """The position of `fn`'s `group` parameter (-1: none)."""
     try:
@@ -155,20 +164,21 @@ def _wrap(name: str, fn):
 
     @functools.wraps(fn)
     def collective(*args, **kwargs):
-        asynchronous = kwargs.get("async_op")
-        if observers and not asynchronous:
-            for observe in observers:
+        asynchronous = kwargs.get("async_op") or name in ASYNCHRONOUS
+        own = getattr(_own, "depth", 0)
+        if observers and not kwargs.get("async_op") and not (own and name in ASYNCHRONOUS):  # a pipeline's isend
+            for observe in observers:  # and irecv count, trainguard's own (the buddy copies) do not
                 observe(name)
-        if gate is not None and not getattr(_own, "depth", 0):
+        if gate is not None and not own:
             gate(name)
         gen = _generation()
         point = ledger.enter(name, kwargs.get("group", args[at] if 0 <= at < len(args) else None), args, kwargs)
         if not asynchronous:
             ledger.wait(point)
         out = _typed(name, gen, point, fn, *args, **kwargs)
-        if isinstance(out, dist.Work) and not isinstance(out, TypedWork):
-            return TypedWork(out, name, gen, point)
-        return out
+        if isinstance(out, list) and name in ASYNCHRONOUS:  # batch_isend_irecv: one handle per operation
+            return [_typed_work(w, name, gen, point) for w in out]
+        return _typed_work(out, name, gen, point)
 
     collective.__trainguard_wrapped__ = fn
     return collective

@@ -15,8 +15,9 @@ kill-commit (the update applied, the step not yet counted). Each firing is logge
 MTTR is measured from.
 
 TG_FAULT_COLLECTIVE="rank:name:n[:how],..." fires at a collective instead of a step: that rank's n-th
-synchronous call of `torch.distributed.<name>` (all_reduce, barrier, broadcast, ...; trainguard's own
-gradient exchange is asynchronous and not counted) in its first incarnation, just before the call.
+call of `torch.distributed.<name>` (all_reduce, barrier, broadcast, ..., and a pipeline schedule's isend and
+irecv; a call with async_op=True, such as trainguard's own gradient exchange, is not counted) in its first
+incarnation, just before the call.
 how: kill (default) or stop. That is how a test kills a rank inside an eval pass's metric
 all_reduce, a barrier, or the broadcast after the script's own save.
 

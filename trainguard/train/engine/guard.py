@@ -120,6 +120,8 @@ class Guard:
                            # before FSDP2 gathers the parameters: a copy taken at the step's start reads the sharded ones
                            model.register_forward_hook(lambda _m, args, kwargs, out: self.after_forward(args, kwargs, out),
                                                        with_kwargs=True)]
+            if sharding.stage_of(model) is not None:  # a pipeline stage: its schedule's steps begin the job's
+                sharding.on_schedule_step(model, self.schedule_step)
         self._armed = session.stop.armed()
         self._armed.__enter__()  # SIGTERM/SIGINT/SIGUSR1: a graceful stop at the next commit point
         session.start()
@@ -158,6 +160,12 @@ class Guard:
         else:
             self.poll()
 
+    def schedule_step(self, training: bool) -> None:
+        """A pipeline schedule's step begins (train/parallel/pipeline.py), before its first receive: a training one
+        begins the job's step, as a first forward would."""
+        if not self.in_step:
+            self.begin_step() if training and torch.is_grad_enabled() else self.poll()
+
     def after_forward(self, args: tuple = (), kwargs: dict | None = None, out=None) -> None:
         """A training forward of the step returned: the replay audit fingerprints it (audit.py), and the random
         streams are keyed for what the script draws next (train/state/streams.py: a batch prefetched during the
@@ -173,7 +181,8 @@ class Guard:
                 session.phase_point("after_forward")  # a fault injection point (faults.py: kill-forward)
 
     def _training_forward(self) -> bool:
-        return torch.is_grad_enabled() and self.model is not None and self.model.training
+        return (torch.is_grad_enabled() and self.model is not None and self.model.training
+                and not sharding.inferring())  # a pipeline stage learning its shapes: not a forward of the step
 
     def poll(self, between: bool = False) -> None:
         """Between steps (an eval batch or forward): under a rewind, a recovery the commit left pending or a

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from ...checkpoint.blob import pack_flat
 from ...checkpoint.codec import flatten_state
+from ...errors import CollectiveFailed
+from ...worker.collectives import internal
 
 log = logging.getLogger("trainguard.buddy")
 
@@ -156,7 +158,8 @@ class Exchange:
                 if self.buddy is not None and self.group is not None:
                     got = _swap(data, self.buddy, self.ward, self.group)
                     self.copies.put(self.ward_shard, step, got)
-            except RuntimeError as exc:  # the group broke (a peer died, or we left it): this round is lost
+            except (RuntimeError, CollectiveFailed) as exc:  # the group broke (a peer died, or we left it): this
+                # round is lost
                 self.broken = str(exc)[:300]
                 log.info("the in-memory copy of step %d was not exchanged: %s", step, self.broken)
                 return
@@ -168,7 +171,13 @@ class Exchange:
 
 
 def _swap(data: bytes, dst: int, src: int, group: dist.ProcessGroup) -> bytes:
-    """Send `data` to `dst` and receive `src`'s at once (a ring: everyone sends and receives)."""
+    """Send `data` to `dst` and receive `src`'s at once (a ring: everyone sends and receives). trainguard's own
+    point-to-point calls: no fault injection counts them, and they are not the script's (worker/prologue.py)."""
+    with internal():
+        return _swap_bytes(data, dst, src, group)
+
+
+def _swap_bytes(data: bytes, dst: int, src: int, group: dist.ProcessGroup) -> bytes:
     n_out = torch.tensor([len(data)], dtype=torch.int64)
     n_in = torch.zeros(1, dtype=torch.int64)
     gdst, gsrc = dist.get_global_rank(group, dst), dist.get_global_rank(group, src)

@@ -23,6 +23,7 @@ rank keeps an in-memory copy of one other shard (train/parallel/livecopies.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import weakref
 
@@ -38,6 +39,9 @@ except ImportError:  # a torch without DTensor: nothing is sharded
     DTensor = Replicate = ()  # type: ignore[assignment,misc]
 
 _noted: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_stages: "weakref.WeakKeyDictionary[nn.Module, tuple[int, int]]" = weakref.WeakKeyDictionary()  # pipeline stages
+_schedule_hooks: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()  # the guard's
+_inferring = [0]  # depth of a pipeline stage's shape inference
 _meshes: list = []  # the last DeviceMesh made by init_device_mesh: the job's whole mesh
 
 
@@ -54,6 +58,46 @@ def fully_shard(module, *args, **kwargs):
 def note(module: nn.Module) -> None:
     """`module`, sharded with torch's own calls (a framework's), is a candidate for the job's model."""
     _noted.add(module)
+
+
+def note_stage(module: nn.Module, index: int, count: int) -> None:
+    """`module` is stage `index` of a `count`-stage pipeline (train/parallel/pipeline.py): a candidate for the job's
+    model, whose ranks hold different layers."""
+    _noted.add(module)
+    _stages[module] = (int(index), int(count))
+
+
+@contextlib.contextmanager
+def inferring_shapes():
+    """A pipeline stage runs its module to learn the shapes it sends (train/parallel/pipeline.py), not to train."""
+    _inferring[0] += 1
+    try:
+        yield
+    finally:
+        _inferring[0] -= 1
+
+
+def inferring() -> bool:
+    return _inferring[0] > 0
+
+
+def on_schedule_step(module: nn.Module, hook) -> None:
+    """`hook(training)` (a bound method, held weakly: its object may hold `module`, which must not outlive the
+    script's run) runs as a schedule's step begins on the stage of `module` (before its first receive)."""
+    _schedule_hooks[module] = weakref.WeakMethod(hook)
+
+
+def schedule_step(module: nn.Module, training: bool) -> None:
+    """A pipeline schedule's step begins on the stage of `module` (`training`: it runs backward)."""
+    ref = _schedule_hooks.get(module)
+    hook = ref() if ref is not None else None
+    if hook is not None:
+        hook(training)
+
+
+def stage_of(model: nn.Module | None) -> tuple[int, int] | None:
+    """(stage index, stages) of a pipeline stage's module; None: not a stage."""
+    return _stages.get(model) if model is not None else None
 
 
 def parallelize_module(module, *args, **kwargs):
@@ -103,7 +147,9 @@ def is_sharded_tensor(t) -> bool:
 
 
 def is_sharded(model: nn.Module | None) -> bool:
-    """The model holds DTensors: its ranks hold parts of the state, not the same state."""
+    """The model holds DTensors, or is a pipeline stage: its ranks hold parts of the state, not the same state."""
+    if stage_of(model) is not None:
+        return True
     return model is not None and bool(DTensor) and any(isinstance(t, DTensor) for t in model.state_dict().values())
 
 
@@ -112,8 +158,12 @@ def shard_key(model: nn.Module, rank: int) -> int:
 
     A DTensor's local part depends on this rank's coordinates along the mesh dimensions it is not replicated
     on. A plain tensor in the model's state (a BatchNorm's statistics, a parameter outside any sharding) may
-    differ between ranks, so a model with one counts every rank as its own shard."""
+    differ between ranks, so a model with one counts every rank as its own shard. A pipeline stage's key starts
+    with its stage: two stages never hold the same part, whatever their tensors are named."""
     h = hashlib.blake2b(digest_size=8)
+    stage = stage_of(model)
+    if stage is not None:
+        h.update(f"stage {stage[0]} of {stage[1]};".encode())
     for name, t in model.state_dict().items():
         if not isinstance(t, DTensor):
             if t.is_floating_point() or t.is_complex():

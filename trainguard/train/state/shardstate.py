@@ -46,8 +46,10 @@ def groups(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, part: dict) -> None:
     """Copy `part` (from `capture` on the same layout) into `model` and `optimizer`, in place."""
-    if part["optim"]["state"]:  # a part taken before the first step has none, like a fresh optimizer
+    if part["optim"]["state"]:
         init_optimizer_state(optimizer)
+    else:  # a part taken before the first step has none: the optimizer as fresh (a rank going back to it from a
+        optimizer.state.clear()  # later step adopted its own live state first)
     own = model.state_dict()
     osd = optimizer.state_dict()
     _same_keys("model", own, part["model"])

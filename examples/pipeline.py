@@ -1,0 +1,146 @@
+r"""A character-level Transformer trained with pipeline parallelism (torch.distributed.pipelining), alone or
+with data parallelism (DP x PP), that survives the death of any rank at any micro-batch: the plain script
+examples/pipeline_torchrun.py, ported in the lines marked `# trainguard`.
+
+    trainguard run --workers 2 examples/pipeline.py --pp 2 --steps 40
+    trainguard run --workers 4 examples/pipeline.py --pp 2 --dp 2 --schedule 1f1b --out final
+
+A fault sends every rank back to the committed step (the survivors run the script again in their processes
+and keep their stages; a replacement takes its stage from the in-memory copy its buddy holds), and the
+result is bit-identical to an uninterrupted run. --out: each stage's final model and optimizer as
+stage<i>.pt, so that runs can be compared.
+
+The model is built whole with one seed on every rank, and each pipeline stage keeps its layers (the
+tutorial's way: the other stages' layers deleted). Ranks form a ("dp", "pp") mesh, pp fastest: ranks
+(0, 1) are one pipeline, (2, 3) another. With --dp > 1 each pipeline trains its share of the step's
+micro-batches, and the stage's gradients are averaged over its data-parallel peers before the update.
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+import trainguard  # trainguard
+from trainguard import PipelineStage, init_device_mesh  # trainguard: torch's, kept by the job
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
+parser.add_argument("--dp", type=int, default=1, help="data-parallel pipelines")
+parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+parser.add_argument("--steps", type=int, default=40)
+parser.add_argument("--micro-batches", type=int, default=4, help="per pipeline and step")
+parser.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
+parser.add_argument("--seq-len", type=int, default=32)
+parser.add_argument("--d-model", type=int, default=64)
+parser.add_argument("--layers", type=int, default=4)
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--log-every", type=int, default=10)
+parser.add_argument("--out", default="", help="each stage writes its final model and optimizer here as stage<i>.pt")
+args = parser.parse_args()
+
+trainguard.init()  # trainguard: was dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+if world != args.pp * args.dp:
+    parser.error(f"--pp {args.pp} x --dp {args.dp} needs {args.pp * args.dp} processes, not {world}")
+mesh = init_device_mesh("cpu", (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
+stage_index, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+
+text = b"".join(Path(os.path.dirname(os.__file__), name).read_bytes() for name in ("argparse.py", "inspect.py"))
+data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def get_batch(step):
+    """This pipeline's share of the step's sequences (the same on every stage of it)."""
+    g = torch.Generator().manual_seed(step)
+    starts = torch.randint(len(data) - args.seq_len - 1, (args.dp, args.micro_batches * args.batch_size), generator=g)
+    rows = torch.stack([data[s:s + args.seq_len + 1] for s in starts[dp_rank].tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 4, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(0.1))
+        self.register_buffer("mask", torch.triu(torch.ones(args.seq_len, args.seq_len, dtype=torch.bool), 1))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(256, args.d_model)
+        self.pos = nn.Embedding(args.seq_len, args.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(args.d_model) for i in range(args.layers)})
+        self.norm = nn.LayerNorm(args.d_model)
+        self.head = nn.Linear(args.d_model, 256)
+
+    def forward(self, x):
+        if self.tok is not None:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+torch.manual_seed(0)
+model = Transformer()
+per_stage = args.layers // args.pp
+for i in range(args.layers):  # keep this stage's layers
+    if i // per_stage != stage_index:
+        del model.layers[str(i)]
+if stage_index != 0:
+    model.tok = model.pos = None
+if stage_index != args.pp - 1:
+    model.norm = model.head = None
+
+stage = PipelineStage(model, stage_index, args.pp, torch.device("cpu"), group=mesh.get_group("pp"))
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+Schedule = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+schedule = Schedule(stage, args.micro_batches, loss_fn=loss_fn)
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+optimizer = trainguard.Optimizer(optimizer, lr_scheduler=scheduler)  # trainguard
+last = stage_index == args.pp - 1
+for step in range(trainguard.start_step(), args.steps):  # trainguard: was range(args.steps)
+    x, y = get_batch(step)
+    optimizer.zero_grad()
+    losses = []
+    if stage_index == 0:
+        schedule.step(x)
+    elif last:
+        schedule.step(target=y, losses=losses)
+    else:
+        schedule.step()
+    if args.dp > 1:  # average the stage's gradients over its data-parallel peers
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=mesh.get_group("dp"))
+            p.grad /= args.dp
+    optimizer.step()
+    scheduler.step()
+    if last and dp_rank == 0 and (step + 1) % args.log_every == 0:
+        print(f"step {step + 1}: loss {torch.stack(losses).mean().item():.4f}", flush=True)
+
+if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    if dp_rank == 0:
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
+                   os.path.join(args.out, f"stage{stage_index}.pt"))
+dist.destroy_process_group()
