@@ -8,7 +8,9 @@ examples/pipeline_torchrun.py, ported in the lines marked `# trainguard`.
 A fault sends every rank back to the committed step (the survivors run the script again in their processes
 and keep their stages; a replacement takes its stage from the in-memory copy its buddy holds), and the
 result is bit-identical to an uninterrupted run. --out: each stage's final model and optimizer as
-stage<i>.pt, so that runs can be compared.
+stage<i>.pt, so that runs can be compared. --ckpt-dir: sliced checkpoints every --save-steps steps and at a
+SIGTERM (each stage's slices, its replicas named in the group info; a fresh run goes on from the newest, on any
+--pp x --dp, or on one rank with --pp 1).
 
 The model is built whole with one seed on every rank, and each pipeline stage keeps its layers (the
 tutorial's way: the other stages' layers deleted). Ranks form a ("dp", "pp") mesh, pp fastest: ranks
@@ -42,6 +44,8 @@ parser.add_argument("--d-model", type=int, default=64)
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--log-every", type=int, default=10)
+parser.add_argument("--ckpt-dir", default="", help="sliced checkpoints here, pipeline-1_<step>")  # trainguard
+parser.add_argument("--save-steps", type=int, default=10)  # trainguard
 parser.add_argument("--out", default="", help="each stage writes its final model and optimizer here as stage<i>.pt")
 args = parser.parse_args()
 
@@ -117,18 +121,18 @@ Schedule = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
 schedule = Schedule(stage, args.micro_batches, loss_fn=loss_fn)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-optimizer = trainguard.Optimizer(optimizer, lr_scheduler=scheduler)  # trainguard
+ckpt = trainguard.ShardedCheckpoints(args.ckpt_dir, "pipeline", every=args.save_steps) if args.ckpt_dir else None  # trainguard
+optimizer = trainguard.Optimizer(optimizer, lr_scheduler=scheduler, checkpoints=ckpt)  # trainguard
 last = stage_index == args.pp - 1
 for step in range(trainguard.start_step(), args.steps):  # trainguard: was range(args.steps)
     x, y = get_batch(step)
     optimizer.zero_grad()
     losses = []
-    if stage_index == 0:
-        schedule.step(x)
-    elif last:
-        schedule.step(target=y, losses=losses)
+    inputs = (x,) if stage_index == 0 else ()  # the first stage takes the batch, the last the targets
+    if last:
+        schedule.step(*inputs, target=y, losses=losses)
     else:
-        schedule.step()
+        schedule.step(*inputs)
     if args.dp > 1:  # average the stage's gradients over its data-parallel peers
         for p in model.parameters():
             dist.all_reduce(p.grad, group=mesh.get_group("dp"))

@@ -113,12 +113,11 @@ for step in range(args.steps):
     x, y = get_batch(step)
     optimizer.zero_grad()
     losses = []
-    if stage_index == 0:
-        schedule.step(x)
-    elif last:
-        schedule.step(target=y, losses=losses)
+    inputs = (x,) if stage_index == 0 else ()  # the first stage takes the batch, the last the targets
+    if last:
+        schedule.step(*inputs, target=y, losses=losses)
     else:
-        schedule.step()
+        schedule.step(*inputs)
     if args.dp > 1:  # average the stage's gradients over its data-parallel peers
         for p in model.parameters():
             dist.all_reduce(p.grad, group=mesh.get_group("dp"))

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import difflib
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 from harness import REPO, env
+
+import trainguard as tg
 
 
 pytestmark = pytest.mark.timeout(240)
@@ -78,10 +81,12 @@ def assert_same_run(tmp, name: str, clean: str, log: str) -> None:
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    """The uninterrupted runs: 2 ranks (PP2) with GPipe and 1F1B, 4 ranks (PP2 x DP2) with 1F1B."""
+    """The uninterrupted runs: 2 ranks (PP2) with GPipe and 1F1B, 4 ranks (PP2 x DP2) with 1F1B, the last with
+    sliced checkpoints at steps 6 and 12."""
     tmp = tmp_path_factory.mktemp("pipeline")
     for workers, schedule in ((2, "gpipe"), (2, "1f1b"), (4, "1f1b")):
-        _, log = run(tmp, f"clean-{workers}-{schedule}", workers, schedule)
+        ckpt = ("--ckpt-dir", str(tmp / "ckpt"), "--save-steps", "6") if workers == 4 else ()
+        _, log = run(tmp, f"clean-{workers}-{schedule}", workers, schedule, *ckpt)
         assert sorted(losses(log)) == list(range(1, STEPS + 1)), log[-3000:]
     return tmp
 
@@ -144,14 +149,80 @@ def test_sigstop_and_the_schedulers_kill_at_2_ranks(clean):
 
 
 def test_sigterm_then_the_same_command_again(clean):
-    """SIGTERM to rank 1 after step 5: every stage stops at the same commit and writes its dying gasp (exit 75);
-    the same command again resumes there, and ends as the uninterrupted run did."""
+    """SIGTERM to rank 1 after step 5: every stage stops at the same commit (step 6) and writes its slices of the
+    dying-gasp checkpoint (exit 75); the same command again resumes there, and ends as the uninterrupted run did."""
     name = "term-gpipe"
-    code, first = run(clean, name, 2, "gpipe", check=False, TG_FAULT="1:5:term")
+    ckpt = ("--ckpt-dir", str(clean / "term-ckpt"), "--save-steps", "100")  # only the dying gasp: sliced
+    code, first = run(clean, name, 2, "gpipe", *ckpt, check=False, TG_FAULT="1:5:term")
     assert code == 75, first[-4000:]
     assert "SIGTERM: stopped at step" in first, first[-4000:]
-    _, second = run(clean, name, 2, "gpipe")
+    assert [p.name for p in (clean / "term-ckpt").glob("pipeline-1_*")] == ["pipeline-1_6"], first[-4000:]
+    _, second = run(clean, name, 2, "gpipe", *ckpt)
     assert "resumed at step" in second and "from the checkpoint on disk" in second, second[-4000:]
     combined = {**losses(first), **losses(second)}
     assert combined == losses((clean / "clean-2-gpipe.log").read_text())
     assert_same_run(clean, name, "clean-2-gpipe", first + second)
+
+
+def test_pp2_dp2_sliced_checkpoint_names_each_stages_replicas_and_rebuilds_a_lost_rank(clean, tmp_path):
+    """The checkpoint holds the whole model's tensors, each stage's written by its two data-parallel ranks: the
+    group info of ranks 0 and 2 (stage 0 of pipelines 0 and 1) names both, and so for ranks 1 and 3 (stage 1).
+    Rank 2's files deleted are rebuilt from rank 0's, bit for bit."""
+    folder = tmp_path / "pipeline-1_12"
+    shutil.copytree(clean / "ckpt" / "pipeline-1_12", folder)
+    assert [tg.restore_group_info_list(folder, r) for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    whole = tg.load_checkpoint(folder)
+    assert {"model/tok.weight", "model/layers.0.mlp.0.weight", "model/layers.1.ln1.weight", "model/head.weight",
+            "optim/state/tok.weight/exp_avg", "optim/state/head.weight/exp_avg_sq"} <= set(whole)
+    (folder / "rank_2.safetensors").unlink()
+    (folder / "rank_2.group_info.json").unlink()
+    tg.recover_rank(folder, 2)
+    assert tg.restore_group_info_list(folder / "rank_2.group_info.json") == [0, 2]
+    again = tg.load_checkpoint(folder)
+    assert again.keys() == whole.keys() and all(torch.equal(again[k], whole[k]) for k in whole)
+
+
+@pytest.mark.parametrize("pp", [2, 1])
+def test_a_pp2_dp2_checkpoint_resumes_on_pp2_dp1_and_on_one_rank(clean, tmp_path, pp):
+    """Step 12's checkpoint, resumed on 2 ranks (PP2 x DP1) or on 1 (the whole model, --pp 1) with nothing left to
+    train: every tensor of every stage's model and optimizer, by parameter name, is the checkpoint's."""
+    shutil.copytree(clean / "ckpt" / "pipeline-1_12", tmp_path / "ckpt" / "pipeline-1_12")
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(pp), "--hot-spares", "0", "examples/pipeline.py",
+           "--pp", str(pp), *SMALL, "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed at step 12 (epoch 0, batch 12) from the checkpoint on disk" in proc.stdout, proc.stdout[-3000:]
+    saved = tg.load_checkpoint(tmp_path / "ckpt" / "pipeline-1_12")
+    got = {}
+    for stage in range(pp):
+        state = torch.load(tmp_path / "out" / f"stage{stage}.pt", weights_only=True)
+        names = [k for k in state["model"] if not k.endswith(".mask")]  # the parameters, in the optimizer's order
+        got.update({f"model/{k}": v for k, v in state["model"].items()})
+        got.update({f"optim/state/{names[i]}/{k}": v for i, s in state["optim"]["state"].items() for k, v in s.items()})
+    assert got.keys() == saved.keys()
+    assert [k for k in got if not torch.equal(got[k], saved[k])] == []
+
+
+def test_a_trainer_written_blind_ported_in_6_lines_is_exact_after_a_kill_mid_schedule(tmp_path):
+    """tests/jobs/pp_blind.py (1F1B, grad-norm clipping over both stages by all_reduce, batches from a generator of
+    its own drawn at the top of every step, dropout from per-stage seeds): rank 0 killed before its 14th receive
+    (step 3, in its backward). Every tensor of both stages equals the uninterrupted run's; before trainguard keyed
+    the script's own generators, the replayed steps drew other batches (NOT bit-identical)."""
+    small = ("--schedule", "1f1b", "--steps", "10", "--batch-size", "8", "--block-size", "16", "--d-model", "32",
+             "--n-layers", "2", "--n-heads", "2", "--log-every", "1")
+    outs = {}
+    for name, faults in (("clean", ""), ("faulty", "0:irecv:14")):
+        cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "1", "tests/jobs/pp_blind.py",
+               *small, "--out-dir", str(tmp_path / name)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env(TG_FAULT_COLLECTIVE=faults), capture_output=True, text=True,
+                              timeout=150)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-4000:]
+        assert "NOT bit-identical" not in log, log[-4000:]
+        outs[name] = {}
+        for stage in (0, 1):
+            outs[name].update(flat(torch.load(tmp_path / name / f"stage{stage}.pt", weights_only=True), f"{stage}/"))
+    assert "was killed by signal SIGKILL" in log, log[-4000:]
+    got, want = outs["faulty"], outs["clean"]
+    assert got.keys() == want.keys() and any("optimizer" in k for k in got)
+    assert [k for k in got if not (got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]))] == []

@@ -40,7 +40,7 @@ def test_the_example_trainer_is_identical_after_a_sigterm_and_a_rerun(tmp_path):
 
 
 def test_a_script_with_state_of_its_own_is_named_with_its_first_differing_step_and_tensor(tmp_path):
-    """tests/jobs/own_generator.py draws its batches from a generator of its own. verify names the first differing
+    """tests/jobs/own_generator.py draws its batches from an iterator of its own. verify names the first differing
     step and tensor; in the faulty run itself the replay audit (warn) said so at once, with the cause and the fix,
     and the launcher's recovery line and `trainguard report` say "NOT bit-identical", not "lost 0 steps"."""
     proc = verify("--steps", "8", "--faults", "mid-step", "--keep", str(tmp_path), "--workers", "3",
@@ -57,11 +57,22 @@ def test_a_script_with_state_of_its_own_is_named_with_its_first_differing_step_a
     assert rank in (0, 2)  # a survivor: the killed rank's replacement has no first run to compare with
     log = (run / "launcher.log").read_text()
     assert f"the inputs of rank {rank}'s training forward 1 at step 4 differ from its first run" in log
-    assert "a data iterator, generator or counter of the script's own" in log  # the likely cause, and the fix
+    assert "a data iterator or counter of the script's own" in log  # the likely cause, and the fix
     assert "NOT bit-identical from step 4" in log and "lost 0 steps" not in log
     report = subprocess.run([sys.executable, "-m", "trainguard", "report", str(run / "recovery")], cwd=REPO,
                             capture_output=True, text=True, timeout=60, check=True).stdout
     assert "NOT bit-identical from step 4" in report
+
+
+def test_a_generator_of_the_scripts_own_drawn_at_every_step_is_exact(tmp_path):
+    """The same trainer drawing each step's batch from its own torch.Generator (OWN_DRAW=generator): trainguard keys
+    the script's generators at every commit, so the replayed steps draw the batches they drew the first time (it
+    used to differ from the step the job went back to, as the iterator does)."""
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "verify", "--steps", "6", "--faults",
+                           "mid-step,after-commit", "--workers", "3", "tests/jobs/own_generator.py", str(tmp_path / "o")],
+                          cwd=REPO, env=env(OWN_DRAW="generator"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "every run is identical to the one without a fault" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_bad_flags_are_refused_before_anything_runs():

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from . import union
 from .codec import flatten_state, unflatten_state
 from .layout import Slice, is_dtensor, local_slice
 from .replicas import open_checkpoint
@@ -39,7 +40,7 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def load_sharded(folder: str | Path, target: Any = None, *, strict: bool = True) -> Any:
+def load_sharded(folder: str | Path, target: Any = None, *, strict: bool = True, partial: bool = False) -> Any:
     """Load a checkpoint into `target`'s tensors in place and return the saved state.
 
     `target` has the structure that was saved (e.g. ``{"model": model.state_dict(), "optim":
@@ -47,7 +48,10 @@ def load_sharded(folder: str | Path, target: Any = None, *, strict: bool = True)
     The result is the saved state with the target's tensors (now holding the loaded values) in
     it, ready for `model.load_state_dict` / `opt.load_state_dict`, which restore the non-tensor
     values too. Tensors only in the checkpoint come back whole; with strict=True (the default)
-    any tensor in only one of the two is an error. `target=None` loads every tensor whole."""
+    any tensor in only one of the two is an error. `target=None` loads every tensor whole. `partial`: the target
+    is one part of the checkpoint (a pipeline's stage, saved with `save_sharded(partial=True)`): only its tensors
+    are read, the rest of the checkpoint is left out of the result, and strict=True asks only that every tensor of
+    the target be in the checkpoint."""
     reader = open_checkpoint(folder, prefer=_this_rank())
     layout, where = reader.layout, reader.manifest.path
     targets: dict[str, torch.Tensor] = {}
@@ -58,7 +62,7 @@ def load_sharded(folder: str | Path, target: Any = None, *, strict: bool = True)
 
         flatten_state(target, copy=False, tensor_hook=collect)
         missing = sorted(set(targets) - set(layout.tensors))
-        unexpected = sorted(set(layout.tensors) - set(targets))
+        unexpected = [] if partial else sorted(set(layout.tensors) - set(targets))
         if strict and (missing or unexpected):
             raise CheckpointError(f"{reader.folder}: the checkpoint and the target differ. Not in the checkpoint: "
                                   f"[{_listing(missing)}]; not in the target: [{_listing(unexpected)}]. Build the "
@@ -68,6 +72,8 @@ def load_sharded(folder: str | Path, target: Any = None, *, strict: bool = True)
     tensors = {}
     for name, spec in layout.tensors.items():
         t = targets.get(name)
+        if t is None and partial:
+            continue
         if t is None:
             tensors[name] = reader.assemble(name, Slice.full(spec.shape))
             continue
@@ -84,7 +90,8 @@ def load_sharded(folder: str | Path, target: Any = None, *, strict: bool = True)
     if reader.bad:
         log.warning("%s: loaded from replicas in place of %s; run `trainguard ckpt recover` to rebuild them",
                     reader.folder, ", ".join(layout.rank_files[r] for r in sorted(reader.bad)))
-    return unflatten_state(tensors, reader.manifest.meta, copy=False)
+    meta = union.prune(reader.manifest.meta, set(tensors)) if partial else reader.manifest.meta
+    return unflatten_state(tensors, meta, copy=False)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -21,6 +21,7 @@ redundancy is what lets a lost file be read from, or rebuilt from, a replica.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from .. import durable
+from . import union
 from .codec import flatten_state
 from .format import commit_checkpoint, temp_folder, write_shard
 from .groupinfo import group_info_file, write_group_info
@@ -75,6 +77,17 @@ class _Comm:
         out = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(out, mine, group=self.group)
         return [t.tolist() for t in out]
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data` (any length)."""
+        if not self.on:
+            return [data]
+        sizes = [row[0] for row in self.all_gather([len(data)])]
+        mine = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [t[:n].cpu().numpy().tobytes() for t, n in zip(out, sizes)]
 
     def broadcast(self, values: list[int]) -> list[int]:
         if not self.on:
@@ -142,9 +155,15 @@ def _failed(rows: list[list[int]]) -> list[int]:
 
 
 def save_sharded(folder: str | Path, state: Any, *, step: int, epoch: int = 0, integrated: bool = False,
-                 append_info: dict | None = None, group: Any = None) -> Path:
-    """Collective: save `state` to `folder` (replacing it), integrated or sliced. Returns the folder."""
+                 append_info: dict | None = None, group: Any = None, partial: bool = False) -> Path:
+    """Collective: save `state` to `folder` (replacing it), integrated or sliced. Returns the folder.
+    `partial`: the ranks hold different tensors (a pipeline's stages): the checkpoint holds their union, each
+    tensor sliced over the ranks that hold it, and the union of their metas (checkpoint/union.py); sliced only."""
     folder, comm = Path(folder), _Comm(group)
+    if partial and integrated:
+        raise CheckpointError(f"cannot save {folder} integrated: the ranks hold different parts of the model (a "
+                              "pipeline's stages), which no one rank can gather; save it sliced (load_checkpoint "
+                              "reads a sliced checkpoint whole)")
     take = _Taker(folder, integrated)
 
     # --- 1. every rank flattens its state; all must hold the same names, shapes and dtypes -----------
@@ -159,7 +178,9 @@ def save_sharded(folder: str | Path, state: Any, *, step: int, epoch: int = 0, i
         raise error
     if bad := _failed(rows):
         raise CheckpointError(f"cannot save {folder}: rank(s) {bad} could not prepare their state; see their logs")
-    if differ := [r for r, row in enumerate(rows) if row[1:] != rows[0][1:]]:
+    if partial:
+        meta = _union(comm, take, meta, folder)
+    elif differ := [r for r, row in enumerate(rows) if row[1:] != rows[0][1:]]:
         raise CheckpointError(f"cannot save {folder}: rank(s) {differ} hold different tensors (names, global shapes "
                               "or dtypes) than rank 0; every rank must save the same structure")
 
@@ -213,6 +234,25 @@ def save_sharded(folder: str | Path, state: Any, *, step: int, epoch: int = 0, i
         log.info("saved %s checkpoint %s: step %d, %d tensors, %d file(s)", layout.kind, folder, step, len(names),
                  len(files))
     return folder
+
+
+def _union(comm: _Comm, take: _Taker, meta: dict, folder: Path) -> dict:
+    """Every rank learns the tensors the others hold (noted as ones it holds no piece of) and the union of the
+    ranks' metas, which rank 0 writes (collective)."""
+    mine = {"names": {n: [list(t.shape), t.dtype, t.placements] for n, t in take.local.items()}, "meta": meta}
+    rows = [json.loads(data) for data in comm.all_gather_bytes(json.dumps(mine).encode())]
+    seen: dict[str, tuple[int, list]] = {}
+    for rank, row in enumerate(rows):
+        for name, spec in row["names"].items():
+            first = seen.setdefault(name, (rank, spec))
+            if first[1][:2] != spec[:2]:
+                raise CheckpointError(f"cannot save {folder}: tensor {name!r} is {first[1][1]} {first[1][0]} on rank "
+                                      f"{first[0]} but {spec[1]} {spec[0]} on rank {rank}; ranks that hold the same "
+                                      "name must hold the same tensor (give each stage's layers the whole model's names)")
+    for name, (_, (shape, dtype, placements)) in seen.items():
+        if name not in take.local:
+            take.local[name] = _Local(tuple(shape), None, dtype, None if placements is None else tuple(placements))
+    return union.merge([row["meta"] for row in rows], str(folder))
 
 
 def _open_temp(comm: _Comm, folder: Path) -> str:

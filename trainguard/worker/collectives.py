@@ -69,6 +69,7 @@ class Failures:
 failures = Failures()
 observers: list = []  # callables (name) run before each call but an async_op one: fault injection (train/engine/faults.py)
 gate = None  # callable (name) run before each of the script's own collectives, not trainguard's (worker/prologue.py)
+before_destroy = None  # weakref to a callable run before the script destroys a process group (the guard's last save)
 _own = threading.local()  # depth of trainguard's own collectives in this thread (`internal`)
 
 
@@ -209,6 +210,23 @@ def _wrap_group_maker(fn):
     return maker
 
 
+def _wrap_destroy(fn):
+    """The script's `destroy_process_group()` (of the default group), its last line in many scripts, comes after its
+    last step: what the guard still has to do with the group (the last step's checkpoint, due since its commit) is
+    done first.
+    trainguard's own teardown (`internal()`) passes straight through."""
+    @functools.wraps(fn)
+    def destroy(*args, **kwargs):
+        default = (args[0] if args else kwargs.get("group")) is None  # the job's group, not one of the script's own
+        hook = before_destroy() if default and before_destroy is not None and not getattr(_own, "depth", 0) else None
+        if hook is not None:
+            hook()
+        return fn(*args, **kwargs)
+
+    destroy.__trainguard_wrapped__ = fn
+    return destroy
+
+
 def install(generation, on_group=lambda before, group: None) -> None:
     """Wrap the collectives once per process; `generation()` names the current generation, `on_group(sockets
     before, group)` is told of every process group made after the default one."""
@@ -220,6 +238,9 @@ def install(generation, on_group=lambda before, group: None) -> None:
         maker = getattr(c10d, "_new_group_with_tag", None)  # private, so looked up: without it, only the
         if maker is not None and not hasattr(maker, "__trainguard_wrapped__"):  # groups trainguard makes are cut
             c10d._new_group_with_tag = _wrap_group_maker(maker)
+        destroy = c10d.destroy_process_group
+        if not hasattr(destroy, "__trainguard_wrapped__"):
+            c10d.destroy_process_group = dist.destroy_process_group = _wrap_destroy(destroy)
         for name in NAMES:
             fn = getattr(c10d, name, None)
             if fn is None or hasattr(fn, "__trainguard_wrapped__"):

@@ -18,6 +18,7 @@ import functools
 import sys
 
 from ..errors import ConfigError
+from . import generators
 
 C10D = "torch.distributed.distributed_c10d"
 _original = None
@@ -26,6 +27,7 @@ _original = None
 def install() -> None:
     """Replace init_process_group in torch.distributed (and its c10d module) by `join`; once per process."""
     global _original
+    generators.install()  # the script's own torch.Generators, keyed at every commit (worker/generators.py)
     c10d = sys.modules[C10D]
     if _original is not None or getattr(c10d.init_process_group, "__trainguard_wrapped__", False):
         return

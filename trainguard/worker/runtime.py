@@ -1,8 +1,7 @@
 """The worker runtime behind `trainguard.init()`.
 
-It registers with the scheduler, keeps a heartbeat, learns rank and world size, and builds
-the torch process group of each generation under a fresh store prefix. On a failure it
-drops the broken group and joins the next generation; the process itself never restarts.
+It registers with the scheduler, keeps a heartbeat, learns rank and world size, and builds the torch process group of
+each generation under a fresh store prefix. On a failure it drops the broken group and joins the next generation.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from ..control.outcomes import ErrorDecision
 from ..control.reports import ErrorReport
 from ..errors import ClusterFailed, ConfigError, FencedError, SchedulerUnavailable, TrainguardError
 from ..obs.events import EventLog
-from . import collectives, embedded, graveyard, prologue
+from . import collectives, embedded, generators, graveyard, prologue
 from .hang import LeftBehind, die_hung, dump_on_request, print_stacks
 from .ledger import beat, failed_at, ledger
 from .mpchild import refuse_a_rerun_by_multiprocessing
@@ -218,7 +217,8 @@ class Runtime:
             self._abort_nccl("leaving the group")
         if dist.is_initialized():  # the user's script may have destroyed it already: nothing to do then
             try:
-                dist.destroy_process_group()
+                with collectives.internal():  # trainguard's teardown: not the script's (collectives.before_destroy)
+                    dist.destroy_process_group()
             except (RuntimeError, ValueError, AssertionError) as exc:
                 log.warning("dropping the broken group: %s", exc)
         graveyard.bury([self.group, *self._groups])  # never destroyed here: that may wait for stuck work
@@ -351,7 +351,7 @@ def init(env=None) -> Runtime:
     rewinding.set_error_vote(rt.raised_everywhere)
     atexit.register(rt._at_exit)
     collectives.install(lambda: joined().generation, rt.track_group)  # failures typed, every group's sockets cut
-    prologue.install(rt)  # the script's own collectives before its first step (train/engine/instep.py)
+    prologue.install(rt); generators.install()  # the script's own collectives and generators (before its steps)
     rt.form()
     _runtime = rt
     _export(rt)

@@ -47,10 +47,12 @@ MAX_TENSORS = 8  # tensors kept of a forward's inputs, and of its output
 KEEP_STEPS = 64  # steps whose first run stays comparable
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-INPUT_CAUSES = ("the batch came from state trainguard does not restore: a data iterator, generator or counter of the "
-                "script's own, a batch drawn before `start_step()` and kept, or a file read back. Fix: draw batches "
-                "from trainguard.DataLoader / DistributedSampler (or torch's global generator after `start_step()`), "
-                "or hand the object that holds the position to `trainguard.register_state()`")
+INPUT_CAUSES = ("the batch came from state trainguard does not restore: a data iterator or counter of the script's "
+                "own, a generator made before trainguard.init(), a batch drawn before `start_step()` and kept, or a "
+                "file read back. Fix: draw batches from trainguard.DataLoader / DistributedSampler, or from a "
+                "torch.Generator after `start_step()` (torch's global one, or the script's own made after "
+                "trainguard.init(): both are keyed at every commit), or derive the position from "
+                "`trainguard.start_step()` (an iterator advanced to it, a counter set from it)")
 OUTPUT_CAUSES = ("the model computed something else from the same inputs: state outside what trainguard restores (a "
                  "plain attribute of a module or of the script, a tensor not registered as a buffer, a framework's "
                  "cache), or nondeterministic kernels. Fix: `trainguard.register_state()` the object, "

@@ -34,13 +34,14 @@ import atexit
 import logging
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import torch
 
 from ... import rewinding
 from ...errors import CollectiveFailed, ConfigError, Rewind
-from ...worker import prologue, runtime as rt_mod
+from ...worker import collectives, prologue, runtime as rt_mod
 from ...worker.ledger import ledger
 from ..data import plainloaders
 from ..parallel import sharding
@@ -122,6 +123,7 @@ class Guard:
                                                        with_kwargs=True)]
             if sharding.stage_of(model) is not None:  # a pipeline stage: its schedule's steps begin the job's
                 sharding.on_schedule_step(model, self.schedule_step)
+        collectives.before_destroy = weakref.WeakMethod(self.before_destroy)  # the script's destroy_process_group()
         self._armed = session.stop.armed()
         self._armed.__enter__()  # SIGTERM/SIGINT/SIGUSR1: a graceful stop at the next commit point
         session.start()
@@ -280,6 +282,13 @@ class Guard:
                 pass
         except (SystemExit, Exception) as exc:  # leaving anyway; the scheduler learns it from the goodbye
             log.warning("rank %d: finishing: %s", session.rt.rank, exc)
+
+    def before_destroy(self) -> None:
+        """The script destroys its process group (after its last step): the checkpoint its last commit left due is
+        written first, while the group is there (collective)."""
+        if self.session is not None and not self.session.rt.finished:
+            self.settle()
+            self.session.flush_saves()
 
     # --- going back to the committed step (train/engine/rewind.py) ----------------------------------------
 

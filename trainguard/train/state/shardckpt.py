@@ -35,6 +35,7 @@ from ...checkpoint.reshard import init_optimizer_state
 from ...checkpoint.retention import prune_checkpoints
 from ...control.msgbase import INT64_MAX
 from ...errors import CheckpointError, CollectiveFailed, ConfigError
+from ..parallel.sharding import stage_of
 from . import parallel_strategy, shardstate
 from .train_state import TrainState
 
@@ -78,6 +79,8 @@ class ShardedSaver:
         self.config, self.state, self.rt, self.mesh = config, state, rt, mesh  # mesh: the job's whole DeviceMesh
         self.root, self.prefix = Path(config.directory), config.prefix
         self.due: int | None = None  # a committed step to save when the next one begins (the user's own loop)
+        self.staged = stage_of(state.net()) is not None  # a pipeline stage: its ranks hold different tensors, saved
+        # as their union, the optimizer's state by parameter name (checkpoint/union.py)
         earlier = config.complete_steps()
         if not config.resume and rt.generation <= 1 and earlier:
             raise ConfigError(f"{self.root} holds checkpoints of an earlier run (the newest: step {earlier[-1]}), and "
@@ -114,9 +117,10 @@ class ShardedSaver:
         model, optimizer = self.state.net(), self.state.optimizer
         if self.state.sharded:  # the slices this rank holds now, read into its DTensors
             init_optimizer_state(optimizer)  # the optimizer's tensors must exist to be loaded into
-            loaded = load_sharded(folder, self._contents(), strict=True)
+            loaded = load_sharded(folder, self._contents(), strict=True, partial=self.staged)
             model.load_state_dict(loaded["model"])
-            optimizer.load_state_dict(loaded["optim"])
+            optimizer.load_state_dict(shardstate.from_names(model, optimizer, loaded["optim"]) if self.staged
+                                      else loaded["optim"])
             shared = {"part": shardstate.capture(model, optimizer, copy=False)}
         else:  # data parallel: whole tensors, which the session loads as a peer's state
             loaded = load_sharded(folder)
@@ -151,7 +155,8 @@ class ShardedSaver:
     def _contents(self) -> dict:
         """What a checkpoint holds: DTensors as the slices each rank holds, whole tensors otherwise."""
         state = self.state
-        out = {"model": state.net().state_dict(), "optim": state.optimizer.state_dict()}
+        optim = shardstate.by_name(state.net(), state.optimizer) if self.staged else state.optimizer.state_dict()
+        out = {"model": state.net().state_dict(), "optim": optim}
         if state.scheduler is not None:
             out["scheduler"] = state.scheduler.state_dict()
         if state.extra:
@@ -165,7 +170,7 @@ class ShardedSaver:
         if step in self.complete_steps():
             return None
         folder = save_sharded(self.config.folder(step), self._contents(), step=step, epoch=1,
-                              integrated=self.config.integrated,
+                              integrated=self.config.integrated, partial=self.staged,
                               append_info={"step": step, "seed": own.get("seed"), "own": own})
         if self.config.keep and self.rt.rank == 0:
             prune_checkpoints(self.root, self.prefix, self.config.keep)

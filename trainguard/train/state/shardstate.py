@@ -78,3 +78,40 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         raise ConfigError(f"{name}: the rebuilt tensor is {tuple(dst.shape)} {dst.dtype}, the saved part "
                             f"{tuple(src.shape)} {src.dtype}: the script must build the same layout every time it runs")
     dst.copy_(src)
+
+
+# --- a pipeline stage's state by name (checkpoint/union.py) --------------------------------------------------
+
+
+def by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state keyed by its parameters' names in `model` (a pipeline stage's: the whole model's names,
+    so the stages' states add up to the whole model's): {"state": {name: {key: value}}, "groups": [hyperparameters],
+    "group_of": {name: group index}}. The live tensors, not copies."""
+    names = _param_names(model)
+    osd = optimizer.state_dict()
+    index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {index[i]: dict(s) for i, s in osd["state"].items()}, "groups": groups(optimizer),
+            "group_of": {index[i]: g for g, group in enumerate(osd["param_groups"]) for i in group["params"]}}
+
+
+def from_names(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+    """`optimizer.state_dict()`'s form of `saved` (from `by_name`, of any stage layout: a stage of another pipeline,
+    or the whole model), for this `model`'s parameters."""
+    names = _param_names(model)
+    osd = optimizer.state_dict()
+    index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    missing = [n for n in index if n not in saved["group_of"]]
+    if missing:
+        raise ConfigError(f"the checkpoint holds no optimizer state for {missing[:5]}: the model's parameters must "
+                          "keep the names they were saved with")
+    param_groups = []
+    for group in osd["param_groups"]:
+        ids = group["params"]
+        hyper = saved["groups"][saved["group_of"][index[ids[0]]]] if ids else {}
+        param_groups.append({**group, **hyper, "params": ids})
+    state = {i: saved["state"][index[i]] for g in osd["param_groups"] for i in g["params"] if index[i] in saved["state"]}
+    return {"state": state, "param_groups": param_groups}
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}

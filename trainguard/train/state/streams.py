@@ -21,6 +21,10 @@ The points (`k` = committed steps before the step; `m` = its training forwards s
   them: key ``c-1/M`` (``M``, that step's forwards, travels with the state), or ``c/c`` where the step had
   none; a fresh start (``c`` = 0): key ``start``.
 
+The script's own `torch.Generator`s (worker/generators.py) are keyed at every commit and restore to ``c``, from
+the seed the script gave them instead of the rank: key ``own/c``. What the script draws from one between two commits
+(the next batch, at the top of its loop) is then the same in every run that reaches that step.
+
 A loader is asked for the next batch at other points than the step's beginning: a framework's loader fetches ahead
 (Accelerate's and Lightning's fetch the next batch as they hand out this one), a prefetcher takes the next batch
 during the step, and a loader with no position to set (a framework's, a stream) is read again from its pass's
@@ -43,14 +47,15 @@ import random
 import numpy as np
 import torch
 
+from ...worker.generators import script_generators
 from ...worker.ledger import ledger
 
 SEED_RANGE = 1 << 63
 START = "start"
 
 
-def key_seed(seed: int, rank: int, point: str) -> int:
-    """The seed of `rank`'s streams at `point` (pure)."""
+def key_seed(seed: int, rank: int | str, point: str) -> int:
+    """The seed of `rank`'s streams at `point` (pure; `rank` may name another owner: a generator of the script's)."""
     digest = hashlib.blake2b(f"{seed}:{rank}:{point}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % SEED_RANGE
 
@@ -122,6 +127,13 @@ class Streams:
         self.committed_forwards, self.forwards = self.forwards, 0
         if not self.committed_forwards:
             self._seed(f"{step}/c")
+        self.own_generators(step)
+
+    def own_generators(self, step: int) -> None:
+        """Key the script's own generators for what it draws after committed step `step` (worker/generators.py)."""
+        if self.seed is not None:
+            for g, script_seed in script_generators():
+                g.manual_seed(key_seed(self.seed, f"generator {script_seed}", f"own/{step}"))
 
     def fetch(self, point: str, j: int) -> None:
         """The fetch of batch `j` of the training loader's pass `point` (`fetch_pass`) begins."""
@@ -134,3 +146,4 @@ class Streams:
         """Restored to committed step `step`, whose training forwards are `committed_forwards`."""
         self.forwards = 0
         self._seed(restore_point(step, self.committed_forwards))
+        self.own_generators(step)
