@@ -19,12 +19,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
 parser.add_argument("--dp", type=int, default=1, help="data-parallel pipelines")
 parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
+parser.add_argument("--fsdp", action="store_true", help="shard each stage over its data-parallel peers (FSDP2) "
+                    "instead of averaging its gradients with all_reduce")
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--micro-batches", type=int, default=4, help="per pipeline and step")
 parser.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
@@ -97,6 +101,10 @@ if stage_index != 0:
 if stage_index != args.pp - 1:
     model.norm = model.head = None
 
+if args.fsdp:  # PP x FSDP2, as torchtitan builds it: each stage fully sharded over the dp dimension
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
 stage = PipelineStage(model, stage_index, args.pp, torch.device("cpu"), group=mesh.get_group("pp"))
 
 
@@ -118,7 +126,7 @@ for step in range(args.steps):
         schedule.step(*inputs, target=y, losses=losses)
     else:
         schedule.step(*inputs)
-    if args.dp > 1:  # average the stage's gradients over its data-parallel peers
+    if args.dp > 1 and not args.fsdp:  # average the stage's gradients over its data-parallel peers
         for p in model.parameters():
             dist.all_reduce(p.grad, group=mesh.get_group("dp"))
             p.grad /= args.dp
@@ -127,9 +135,11 @@ for step in range(args.steps):
     if last and dp_rank == 0 and (step + 1) % args.log_every == 0:
         print(f"step {step + 1}: loss {torch.stack(losses).mean().item():.4f}", flush=True)
 
-if args.out:
+if args.out:  # whole tensors (FSDP2's gathered over the stage's data-parallel ranks), written by dp rank 0
     os.makedirs(args.out, exist_ok=True)
+    whole = lambda d: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in d.items()}  # noqa: E731
+    optim = optimizer.state_dict()
+    state = {"model": whole(model.state_dict()), "optim": {**optim, "state": {i: whole(s) for i, s in optim["state"].items()}}}
     if dp_rank == 0:
-        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
-                   os.path.join(args.out, f"stage{stage_index}.pt"))
+        torch.save(state, os.path.join(args.out, f"stage{stage_index}.pt"))
 dist.destroy_process_group()

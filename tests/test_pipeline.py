@@ -12,6 +12,7 @@ the last stage printed, are torch.equal to an uninterrupted run's. The port is c
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import shutil
 import subprocess
@@ -117,11 +118,11 @@ def test_the_plain_script_runs_under_torchrun_unchanged(tmp_path):
         list(range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_kill_9_of_each_stage_mid_schedule_at_2_ranks_is_bit_identical(clean, schedule):
-    """Rank 1 (the last stage) dies before its 10th receive (step 3, micro-batch 2 of 4 forward); its replacement
-    is then killed by nothing, and rank 0 (the first stage, whose receives are the gradients) dies before its
-    30th (step 8, in its backward). Both stages come back live, twice."""
+def test_kill_9_of_each_stage_mid_schedule_at_2_ranks_is_bit_identical(clean):
+    """GPipe: rank 1 (the last stage) dies before its 10th receive (step 3, micro-batch 2 of 4 forward), and rank 0
+    (the first stage, whose receives are the gradients) before its 30th (step 8, in its backward). Both stages come
+    back live. (1F1B's kills are at PP2 x DP2 below.)"""
+    schedule = "gpipe"
     name = f"kill-2-{schedule}"
     _, log = run(clean, name, 2, schedule, TG_FAULT_COLLECTIVE="1:irecv:10,0:irecv:30")
     assert log.count("was killed by signal SIGKILL") == 2, log[-4000:]
@@ -136,6 +137,19 @@ def test_kill_9_of_every_rank_position_at_pp2_dp2_is_bit_identical(clean):
     _, log = run(clean, name, 4, "1f1b", TG_FAULT_COLLECTIVE="0:irecv:6,1:irecv:15,2:irecv:26,3:irecv:35")
     assert log.count("was killed by signal SIGKILL") == 4, log[-4000:]
     assert_same_run(clean, name, "clean-4-1f1b", log)
+
+
+def test_pp2_x_fsdp2_kill_9_mid_schedule_is_bit_identical(clean):
+    """PP2 x FSDP2 (each stage `fully_shard`ed over its data-parallel pair, torchtitan's layout; trainguard's
+    `fully_shard`): rank 2 (stage 0's second shard) killed in its backward. Its shard comes back from its buddy's
+    copy; every gathered tensor and loss equals the uninterrupted PP2 x FSDP2 run's."""
+    _, log = run(clean, "clean-fsdp", 4, "1f1b", "--fsdp")
+    name = "kill-fsdp"
+    _, log = run(clean, name, 4, "1f1b", "--fsdp", TG_FAULT_COLLECTIVE="2:irecv:22")
+    assert log.count("was killed by signal SIGKILL") == 1, log[-4000:]
+    events = [json.loads(line) for line in (clean / f"{name}-recovery" / "events.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "restored" and e["rank"] == 2 and e["source"] == "peer" for e in events), events[-8:]
+    assert_same_run(clean, name, "clean-fsdp", log)
 
 
 def test_sigstop_and_the_schedulers_kill_at_2_ranks(clean):
