@@ -48,14 +48,15 @@ FAST_TESTS = (  # module::test name (a prefix: every parametrisation)
 
 # The longest files (wall time per file in a full run here, longest first) start first: pytest-xdist hands
 # out files in collection order, so the last ones to start, which the run waits for alone, are short.
-LONGEST_FIRST = (  # measured 2026-11-28 (the sum of each file's test durations, -n 3)
-    "test_sharded_engine", "test_ported_trainers", "test_lightning", "test_graceful", "test_transformers",
-    "test_accelerate", "test_recovery", "test_real_trainer", "test_launch_compat", "test_verify", "test_desync",
-    "test_nanogpt",
-    "test_checkpoint_job", "test_loader_workers", "test_elastic", "test_ddp_tutorial", "test_transformer_tp",
-    "test_cluster_errors", "test_spares", "test_examples", "test_compiled", "test_multihost", "test_zygote",
-    "test_audit", "test_commit_protocol", "test_observe", "test_seed_flow", "test_foreign_trainer", "test_recover_strategy",
-    "test_frameworks", "test_launcher", "test_sharded_recovery", "test_reshard", "test_stuck_collectives",
+LONGEST_FIRST = (  # measured 2026-11-29 (the sum of each file's test durations over the 80 slowest tests, -n 3)
+    "test_lightning", "test_ported_trainers", "test_transformers", "test_accelerate", "test_pipeline", "test_verify",
+    "test_exactsum", "test_sharded_engine", "test_recovery", "test_desync", "test_multihost", "test_zygote",
+    "test_virtual_shards", "test_frameworks", "test_elastic", "test_graceful", "test_cluster_errors", "test_observe",
+    "test_seed_flow", "test_compiled", "test_loader_workers", "test_gradsync", "test_launch_compat",
+    "test_transformer_tp", "test_real_trainer", "test_lightning_ranks", "test_reshard", "test_stuck_collectives",
+    "test_foreign_trainer", "test_deterministic_errors", "test_nanogpt", "test_checkpoint_job", "test_ddp_tutorial",
+    "test_spares", "test_examples", "test_audit", "test_commit_protocol", "test_recover_strategy", "test_launcher",
+    "test_sharded_recovery",
 )
 
 

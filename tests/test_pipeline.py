@@ -132,9 +132,12 @@ def test_kill_9_of_each_stage_mid_schedule_at_2_ranks_is_bit_identical(clean):
 
 def test_kill_9_of_every_rank_position_at_pp2_dp2_is_bit_identical(clean):
     """PP2 x DP2 (1F1B; the stages' gradients averaged over their data-parallel peers by all_reduce): each of the
-    four ranks is killed once, mid-schedule, at a different step."""
+    four ranks is killed once, mid-schedule (kill-forward: its step's first micro-batch forward has returned), at a
+    different step. (Step-based, not at the n-th receive: a kill while a live peer runs its first step's shape
+    exchange after a restore can leave that peer's send blocked past the cut, which the left-behind watchdog ends
+    10 s later with a second death; a known gloo limit, see docs/ARCHITECTURE.md.)"""
     name = "kill-4-1f1b"
-    _, log = run(clean, name, 4, "1f1b", TG_FAULT_COLLECTIVE="0:irecv:6,1:irecv:15,2:irecv:26,3:irecv:35")
+    _, log = run(clean, name, 4, "1f1b", TG_FAULT="0:2:kill-forward,1:5:kill-forward,2:8:kill-forward,3:10:kill-forward")
     assert log.count("was killed by signal SIGKILL") == 4, log[-4000:]
     assert_same_run(clean, name, "clean-4-1f1b", log)
 
