@@ -82,10 +82,10 @@ def assert_same_run(tmp, name: str, clean: str, log: str) -> None:
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    """The uninterrupted runs: 2 ranks (PP2) with GPipe and 1F1B, 4 ranks (PP2 x DP2) with 1F1B, the last with
-    sliced checkpoints at steps 6 and 12."""
+    """The uninterrupted runs: 2 ranks (PP2) with GPipe, 4 ranks (PP2 x DP2) with 1F1B, the last with sliced
+    checkpoints at steps 6 and 12."""
     tmp = tmp_path_factory.mktemp("pipeline")
-    for workers, schedule in ((2, "gpipe"), (2, "1f1b"), (4, "1f1b")):
+    for workers, schedule in ((2, "gpipe"), (4, "1f1b")):
         ckpt = ("--ckpt-dir", str(tmp / "ckpt"), "--save-steps", "6") if workers == 4 else ()
         _, log = run(tmp, f"clean-{workers}-{schedule}", workers, schedule, *ckpt)
         assert sorted(losses(log)) == list(range(1, STEPS + 1)), log[-3000:]
@@ -145,24 +145,25 @@ def test_kill_9_of_every_rank_position_at_pp2_dp2_is_bit_identical(clean):
 def test_pp2_x_fsdp2_kill_9_mid_schedule_is_bit_identical(clean):
     """PP2 x FSDP2 (each stage `fully_shard`ed over its data-parallel pair, torchtitan's layout; trainguard's
     `fully_shard`): rank 2 (stage 0's second shard) killed in its backward. Its shard comes back from its buddy's
-    copy; every gathered tensor and loss equals the uninterrupted PP2 x FSDP2 run's."""
-    _, log = run(clean, "clean-fsdp", 4, "1f1b", "--fsdp")
+    copy; every gathered tensor and loss equals the uninterrupted run's. The reference is the PP2 x DP2 run: over two
+    data-parallel ranks FSDP2's reduce-scatter and the all_reduce average the same two values, so an uninterrupted
+    FSDP2 run gives its bits exactly (checked once, 122 tensors)."""
     name = "kill-fsdp"
     _, log = run(clean, name, 4, "1f1b", "--fsdp", TG_FAULT_COLLECTIVE="2:irecv:22")
     assert log.count("was killed by signal SIGKILL") == 1, log[-4000:]
     events = [json.loads(line) for line in (clean / f"{name}-recovery" / "events.jsonl").read_text().splitlines()]
     assert any(e.get("event") == "restored" and e["rank"] == 2 and e["source"] == "peer" for e in events), events[-8:]
-    assert_same_run(clean, name, "clean-fsdp", log)
+    assert_same_run(clean, name, "clean-4-1f1b", log)
 
 
 def test_sigstop_and_the_schedulers_kill_at_2_ranks(clean):
     """Rank 1 is stopped (SIGSTOP: its heartbeat stops; the scheduler fences and kills it) after step 3, and the
     scheduler is killed after step 7 (the launcher restarts it; the job goes on)."""
-    name = "stop-sched-1f1b"
-    _, log = run(clean, name, 2, "1f1b", TG_FAULT="1:3:stop,0:7:sched", TG_HEARTBEAT_TIMEOUT="2")
+    name = "stop-sched-gpipe"
+    _, log = run(clean, name, 2, "gpipe", TG_FAULT="1:3:stop,0:7:sched", TG_HEARTBEAT_TIMEOUT="2")
     assert "injecting stop at step 3 on rank 1" in log and "injecting sched at step 7 on rank 0" in log, log[-4000:]
     assert "scheduler (pid" in log and "was killed by signal SIGKILL" in log, log[-4000:]
-    assert_same_run(clean, name, "clean-2-1f1b", log)
+    assert_same_run(clean, name, "clean-2-gpipe", log)
 
 
 def test_sigterm_then_the_same_command_again(clean):

@@ -192,13 +192,14 @@ def test_a_loop_over_steps_fed_by_a_cycling_generator_is_bit_identical(tmp_path,
     ("concat", "1", 2),  # no prefetch: each forward takes two batches
 ])
 def test_a_batch_taken_ahead_with_global_generator_draws_is_bit_identical(tmp_path, shape, accum, trained):
+    faults = ["mid-step", "after-commit", "epoch-end"] + (["sigterm"] if shape == "during" and accum == "1" else [])
     cmd = [sys.executable, "-m", "trainguard", "verify", "--steps", "16", "--keep", str(tmp_path), "--workers",
-           str(WORKERS), "--faults", "mid-step,after-commit,epoch-end,sigterm", str(JOBS / "prefetch.py"), "--accum",
-           accum, "--shape", shape]
+           str(WORKERS), "--faults", ",".join(faults), str(JOBS / "prefetch.py"), "--accum", accum, "--shape", shape]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(TG_EXACT=""), capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("kill -9", "SIGTERM"))]
-    assert len(rows) == 4 and all(" identical" in r for r in rows), proc.stdout
+    assert len(rows) == len(faults) and all(" identical" in r for r in rows), proc.stdout  # the SIGTERM and rerun
+    # once (its resume point is the committed step's, the same whatever the batch was taken: suite time)
     steps = 12 // trained  # 12 batches a rank an epoch
     assert f"right after step {steps}, the first epoch's last" in proc.stdout, proc.stdout
     resumed = (tmp_path / "mid-step" / "launcher.log").read_text()
