@@ -48,8 +48,11 @@ def net() -> nn.Module:
                          nn.ReLU(), nn.Linear(32, 5))
 
 
-def _train(rank: int, world: int, port: int, out: str, modes: tuple[bool, ...]) -> None:
-    """Train once per mode (exact: the fixed-point sum over virtual shards; else the float sum), in one group."""
+PLAN = ((1, (True,)), (2, (True,)), (3, (True, False)), (4, (True, False)))  # world -> modes (exact or float sum)
+
+
+def _train(rank: int, world: int, port: int, out: str) -> None:
+    """Every PLAN entry in one set of processes: a group of its first w ranks trains once per mode."""
     import time
 
     import torch.distributed as dist
@@ -57,8 +60,10 @@ def _train(rank: int, world: int, port: int, out: str, modes: tuple[bool, ...]) 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    for exact in modes:
-        _train_once(rank, world, out, exact)
+    for w, modes in PLAN:
+        group = dist.new_group(list(range(w)))  # collective: every rank makes every group
+        for exact in modes if rank < w else ():
+            _train_once(rank, w, group, out, exact)
     # nobody closes its gloo connections while a peer may still be in the last collective (gloo aborts a process
     # whose peer closed mid-operation): leave through the store, the server (rank 0) last
     store.add("done", 1)
@@ -69,9 +74,7 @@ def _train(rank: int, world: int, port: int, out: str, modes: tuple[bool, ...]) 
         time.sleep(0.01)
 
 
-def _train_once(rank: int, world: int, out: str, exact: bool) -> None:
-    import torch.distributed as dist
-
+def _train_once(rank: int, world: int, group, out: str, exact: bool) -> None:
     from trainguard.train.parallel.gradsync import GradSync
 
     torch.manual_seed(0)
@@ -79,7 +82,7 @@ def _train_once(rank: int, world: int, out: str, exact: bool) -> None:
     sync = GradSync(model, bucket_cap_mb=0.004, first_bucket_mb=0.001)  # several buckets
     if exact:
         sync.set_shards(SHARDS)
-    sync.attach(dist.group.WORLD)
+    sync.attach(group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(7)
     xs, ys = torch.randn(4, SHARDS, 8, 16, generator=data), torch.randint(0, 5, (4, SHARDS, 8), generator=data)
@@ -96,15 +99,17 @@ def _train_once(rank: int, world: int, out: str, exact: bool) -> None:
                     loss.backward()
         sync.result()
         optimizer.step()
+    sync.detach()
     if rank == 0:
         torch.save({"params": [p.detach().clone() for p in model.parameters()],
                     "grads": [p.grad.clone() for p in model.parameters()]}, f"{out}/w{world}-{exact}.pt")
 
 
-def trained(tmp_path, world: int, *modes: bool) -> list[dict]:
-    """Every rank's training once per mode, in one set of `world` spawned processes; rank 0's result per mode."""
-    mp.start_processes(_train, args=(world, free_port(), str(tmp_path), modes), nprocs=world, start_method="spawn")
-    return [torch.load(tmp_path / f"w{world}-{exact}.pt") for exact in modes]
+def trained(tmp_path) -> dict[tuple[int, bool], dict]:
+    """Rank 0's result for every (world, exact) of PLAN, from one set of 4 spawned processes (each spawn costs
+    seconds of imports)."""
+    mp.start_processes(_train, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
+    return {(w, exact): torch.load(tmp_path / f"w{w}-{exact}.pt") for w, modes in PLAN for exact in modes}
 
 
 @pytest.mark.timeout(240)
@@ -112,12 +117,8 @@ def test_virtual_shards_train_to_the_same_bits_on_one_two_three_and_four_ranks(t
     """4 steps of SGD with momentum, dropout and BatchNorm, 12 shards of 8 samples: every parameter and gradient is
     equal on 1, 2, 3 and 4 ranks. The float sum over ranks (each rank's shards accumulated, then averaged as DDP
     does) gives other bits at 3 and 4 ranks: the test would see a sum that depends on the world."""
-    runs, floats = {}, {}
-    for w in (1, 2, 3, 4):  # at 3 and 4 the float sum too, in the same processes
-        runs[w], *more = trained(tmp_path, w, True, *((False,) if w >= 3 else ()))
-        if more:
-            floats[w] = more[0]
+    got = trained(tmp_path)  # groups of the first 1, 2, 3 and 4 ranks of one job
     for w in (2, 3, 4):
         for key in ("params", "grads"):
-            assert all(torch.equal(a, b) for a, b in zip(runs[1][key], runs[w][key])), (w, key)
-    assert not all(torch.equal(a, b) for a, b in zip(floats[3]["params"], floats[4]["params"]))
+            assert all(torch.equal(a, b) for a, b in zip(got[1, True][key], got[w, True][key])), (w, key)
+    assert not all(torch.equal(a, b) for a, b in zip(got[3, False]["params"], got[4, False]["params"]))

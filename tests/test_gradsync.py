@@ -98,7 +98,19 @@ def test_three_ranks_get_the_mean_in_views_of_the_buckets(tmp_path):
 # --- what rides in the exchange: rank 0's buffers and every rank's numbers, on 3 real processes (gloo) -----------
 
 
-def _riders(rank: int, world: int, init: str, out: str, dtype_name: str) -> None:
+def _riders(rank: int, world: int, init: str, out: str, dtype_names: tuple[str, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    for dtype_name in dtype_names:  # one set of processes for every dtype (each spawn costs seconds of imports)
+        _ride_once(rank, out, dtype_name)
+    dist.barrier()  # no rank leaves while a peer's last exchange may still be talking to it (gloo aborts at exit)
+    dist.destroy_process_group()
+
+
+def _ride_once(rank: int, out: str, dtype_name: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -106,8 +118,6 @@ def _riders(rank: int, world: int, init: str, out: str, dtype_name: str) -> None
     from trainguard.train.parallel.riders import RankRows
     from trainguard.train.state.buffers import BufferShare
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).to(dtype)
@@ -129,11 +139,10 @@ def _riders(rank: int, world: int, init: str, out: str, dtype_name: str) -> None
     sync.result()
     torch.save({"riding": (sync.share.riding, rows.riding), "rows": rows.rows, "mine": mine,
                 "buffers": [b.clone() for b in buffers], "grads": [p.grad.clone() for p in model.parameters()]},
-               f"{out}/rank{rank}.pt")
+               f"{out}/rank{rank}-{dtype_name}.pt")
     sync.detach()
     sync.close()
-    dist.barrier()  # no rank leaves while a peer's last exchange may still be talking to it (gloo aborts at exit)
-    dist.destroy_process_group()
+    dist.barrier()
 
 
 def test_buffers_and_rank_rows_ride_in_the_last_bucket_bit_for_bit(tmp_path):
@@ -145,10 +154,11 @@ def test_buffers_and_rank_rows_ride_in_the_last_bucket_bit_for_bit(tmp_path):
     import torch.multiprocessing as mp
 
     world = 3
-    for dtype in ("float32", "float64", "bfloat16"):
-        mp.start_processes(_riders, args=(world, f"file://{tmp_path}/store-{dtype}", str(tmp_path), dtype),
-                           nprocs=world, start_method="spawn")
-        got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    dtypes = ("float32", "float64", "bfloat16")
+    mp.start_processes(_riders, args=(world, f"file://{tmp_path}/store", str(tmp_path), dtypes), nprocs=world,
+                       start_method="spawn")
+    for dtype in dtypes:
+        got = [torch.load(tmp_path / f"rank{r}-{dtype}.pt") for r in range(world)]
         rides = dtype != "bfloat16"
         for r in range(world):
             assert got[r]["riding"] == (rides, rides)

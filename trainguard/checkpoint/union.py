@@ -83,8 +83,8 @@ def _holds_tensors(node: Any) -> bool:
         return False
     if node.get("t") == "tensor":
         return True
-    return any(_holds_tensors(v) for v in node.get("v", ()) if isinstance(v, dict)) if isinstance(
-        node.get("v"), list) else False
+    values = node.get("v")
+    return isinstance(values, list) and any(_holds_tensors(v) for v in values)
 
 
 def _is_dict(node: Any) -> bool:
