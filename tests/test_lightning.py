@@ -67,15 +67,16 @@ def test_fsdp2_through_the_model_parallel_strategy_recovers_bit_identically_in_o
 
 
 def test_every_fault_is_bit_identical_on_every_rank_with_the_same_epoch_lines(tmp_path):
-    proc = verify(tmp_path, f"mid-step,{IN_VALIDATION},epoch-end,scheduler,sigterm")
+    proc = verify(tmp_path, f"mid-step,{IN_VALIDATION},epoch-end,sigterm")  # the scheduler's kill: framework-blind,
+    # tested with plain loops (tests/test_seed_flow.py, tests/test_recovery.py, tests/test_pipeline.py)
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("kill -9", "SIGTERM"))]
-    assert len(rows) == 5 and all(" identical" in r for r in rows), proc.stdout
+    assert len(rows) == 4 and all(" identical" in r for r in rows), proc.stdout
     where = (tmp_path / "at-all_reduce-23" / "launcher.log").read_text()
     assert "rank 0: back to step 15 (CollectiveFailed: all_reduce" in where, where[-3000:]  # after the epoch's last
     assert "the training loader resumed at batch" in (tmp_path / "mid-step" / "launcher.log").read_text()
     reference = rank0_lines(tmp_path / "clean" / "launcher.log", LINE)
     assert [line.split(":")[1].split()[0] for line in reference] == ["val_loss", "train_loss"], reference  # epoch 0's
-    for fault in ("mid-step", "at-all_reduce-23", "epoch-end", "scheduler", "sigterm"):
+    for fault in ("mid-step", "at-all_reduce-23", "epoch-end", "sigterm"):
         assert rank0_lines(tmp_path / fault / "launcher.log", LINE) == reference, fault
 
 
