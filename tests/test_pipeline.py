@@ -1,10 +1,10 @@
 """examples/pipeline.py: torch.distributed.pipelining (PipelineStage, GPipe and 1F1B) on the one engine, real
 processes under `trainguard run`, real kill -9, SIGSTOP, the scheduler's kill and SIGTERM.
 
-Each fault lands inside a schedule: TG_FAULT_COLLECTIVE="rank:irecv:n" kills a rank just before its n-th
+Each kill lands inside a schedule: TG_FAULT_COLLECTIVE="rank:irecv:n" kills a rank just before its n-th
 receive, which with 4 micro-batches a step is a micro-batch in the middle of a step's schedule (and not its
-first: n is not 1 more than a multiple of 4). Every rank goes back to the committed step, the lost stage comes
-back from its buddy's in-memory copy, and the final model and optimizer of every stage (`--out`), and every loss
+first: n is not 1 more than a multiple of 4), and TG_FAULT's kill-forward once its step's first micro-batch forward
+returned. Every rank goes back to the committed step, the lost stage comes back from its buddy's in-memory copy, and the final model and optimizer of every stage (`--out`), and every loss
 the last stage printed, are torch.equal to an uninterrupted run's. The port is counted: the lines marked
 `# trainguard`.
 """
