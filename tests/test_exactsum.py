@@ -60,10 +60,11 @@ def _train(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    groups = []  # every group lives to the end: one dropped early closes its connections under a peer still in it
     for w, modes in PLAN:
-        group = dist.new_group(list(range(w)))  # collective: every rank makes every group
+        groups.append(dist.new_group(list(range(w))))  # collective: every rank makes every group
         for exact in modes if rank < w else ():
-            _train_once(rank, w, group, out, exact)
+            _train_once(rank, w, groups[-1], out, exact)
     # nobody closes its gloo connections while a peer may still be in the last collective (gloo aborts a process
     # whose peer closed mid-operation): leave through the store, the server (rank 0) last
     store.add("done", 1)
