@@ -87,9 +87,7 @@ def by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state keyed by its parameters' names in `model` (a pipeline stage's: the whole model's names,
     so the stages' states add up to the whole model's): {"state": {name: {key: value}}, "groups": [hyperparameters],
     "group_of": {name: group index}}. The live tensors, not copies."""
-    names = _param_names(model)
-    osd = optimizer.state_dict()
-    index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    osd, index = optimizer.state_dict(), _names_in_order(model, optimizer)
     return {"state": {index[i]: dict(s) for i, s in osd["state"].items()}, "groups": groups(optimizer),
             "group_of": {index[i]: g for g, group in enumerate(osd["param_groups"]) for i in group["params"]}}
 
@@ -97,9 +95,7 @@ def by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 def from_names(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
     """`optimizer.state_dict()`'s form of `saved` (from `by_name`, of any stage layout: a stage of another pipeline,
     or the whole model), for this `model`'s parameters."""
-    names = _param_names(model)
-    osd = optimizer.state_dict()
-    index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    osd, index = optimizer.state_dict(), _names_in_order(model, optimizer)
     missing = [n for n in index if n not in saved["group_of"]]
     if missing:
         raise ConfigError(f"the checkpoint holds no optimizer state for {missing[:5]}: the model's parameters must "
@@ -113,5 +109,7 @@ def from_names(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) 
     return {"state": state, "param_groups": param_groups}
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+def _names_in_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names in `model` of the optimizer's parameters, in its state_dict's index order."""
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
