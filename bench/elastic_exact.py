@@ -1,4 +1,4 @@
-"""What the exact sum over virtual shards costs a step (train/parallel/exactsum.py; issue 41), against torch's
+"""What the exact sum over virtual shards (a fixed tree: train/parallel/exactsum.py; issue 41) costs a step, against torch's
 DistributedDataParallel, on real gloo processes.
 
 Each worker process builds the same MLP (1M or 5M parameters) and runs, alternating in blocks of `--steps`

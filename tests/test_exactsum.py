@@ -3,15 +3,13 @@ at every world size, on real processes (gloo), where the float sum over ranks gi
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from harness import free_port
 from torch import nn
 
-from trainguard.train.parallel.exactsum import from_fixed, scale_bits, shard_range, to_fixed
+from trainguard.train.parallel.exactsum import cover, fold, shard_range
 
 SHARDS = 12
 
@@ -25,22 +23,30 @@ def test_the_shards_are_split_contiguously_over_any_world():
         shard_range(4, 5, 0)  # more ranks than shards: a rank would hold none
 
 
-def test_a_fixed_point_sum_has_the_same_bits_in_any_grouping_and_is_close_to_the_exact_mean():
+def test_every_world_adds_the_same_tree_and_its_root_has_the_same_bits():
+    """Each rank's nodes (`cover`) partition its range; the ranks' nodes together partition the shards, and folding
+    them to the root gives the same bits at every world size and is close to the exact mean. A rank sends one node
+    where its range is a node of the tree (V = 12 on 1, 2, 4, 12 ranks)."""
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(1000, generator=gen) * 10.0 ** float(torch.randint(-6, 3, (1,), generator=gen))
              for _ in range(SHARDS)]
-    exp = max(torch.frexp(g.abs().max()).exponent.item() for g in grads)
-    bits = scale_bits(exp, SHARDS)
+    leaves = {range(s, s + 1): g for s, g in enumerate(grads)}
     results = []
-    for world in (1, 2, 3, 5, 12):
-        parts = [sum(to_fixed(grads[s], bits) for s in shard_range(SHARDS, world, r)) for r in range(world)]
-        random.Random(world).shuffle(parts)  # the ranks' sums in any order
-        out = torch.empty(1000)
-        from_fixed(sum(parts), bits, SHARDS, out)
-        results.append(out)
+    for world in range(1, SHARDS + 1):
+        nodes = [cover(shard_range(SHARDS, world, r), SHARDS) for r in range(world)]
+        for r, held in enumerate(nodes):
+            assert [s for node in held for s in node] == list(shard_range(SHARDS, world, r))
+        if world in (1, 2, 4, 12):
+            assert all(len(held) == 1 for held in nodes), (world, nodes)
+        given = {node: fold(node, leaves) for held in nodes for node in held}  # what each rank adds itself
+        results.append(fold(range(SHARDS), given))
     assert all(torch.equal(results[0], r) for r in results[1:])
-    want = (torch.stack([g.double() for g in grads]).sum(0) / SHARDS).float()
-    assert torch.allclose(results[0], want, rtol=1e-6, atol=0)
+    want = torch.stack([g.double() for g in grads]).sum(0).float()
+    assert torch.allclose(results[0], want, rtol=1e-5, atol=1e-5)
+    left_fold = grads[0]
+    for g in grads[1:]:
+        left_fold = left_fold + g
+    assert not torch.equal(left_fold, results[0])  # the order matters in float: the tree fixes it
 
 
 def net() -> nn.Module:
@@ -100,26 +106,36 @@ def _train_once(rank: int, world: int, group, out: str, exact: bool) -> None:
                     loss.backward()
         sync.result()
         optimizer.step()
+    result = {"params": [p.detach().clone() for p in model.parameters()],
+              "grads": [p.grad.clone() for p in model.parameters()]}
+    if exact:  # one more exchange, shard 5's loss overflowed: the inf reaches every rank's gradients, as under DDP
+        optimizer.zero_grad()
+        for s in here:
+            scale = float("inf") if s == 5 else 1.0
+            (nn.functional.cross_entropy(model(xs[0, s]), ys[0, s]) * scale).backward()
+        sync.result()
+        result["finite"] = [bool(torch.isfinite(p.grad).all()) for p in model.parameters()]
     sync.detach()
-    if rank == 0:
-        torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                    "grads": [p.grad.clone() for p in model.parameters()]}, f"{out}/w{world}-{exact}.pt")
+    torch.save(result, f"{out}/w{world}-{exact}-{rank}.pt")
 
 
 def trained(tmp_path) -> dict[tuple[int, bool], dict]:
     """Rank 0's result for every (world, exact) of PLAN, from one set of 4 spawned processes (each spawn costs
     seconds of imports)."""
     mp.start_processes(_train, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
-    return {(w, exact): torch.load(tmp_path / f"w{w}-{exact}.pt") for w, modes in PLAN for exact in modes}
+    return {(w, exact, r): torch.load(tmp_path / f"w{w}-{exact}-{r}.pt") for w, modes in PLAN for exact in modes
+            for r in range(w)}
 
 
 @pytest.mark.timeout(240)
 def test_virtual_shards_train_to_the_same_bits_on_one_two_three_and_four_ranks(tmp_path):
     """4 steps of SGD with momentum, dropout and BatchNorm, 12 shards of 8 samples: every parameter and gradient is
-    equal on 1, 2, 3 and 4 ranks. The float sum over ranks (each rank's shards accumulated, then averaged as DDP
+    equal on every rank of 1, 2, 3 and 4 ranks, and a shard's inf reaches every rank's every gradient. The float sum over ranks (each rank's shards accumulated, then averaged as DDP
     does) gives other bits at 3 and 4 ranks: the test would see a sum that depends on the world."""
     got = trained(tmp_path)  # groups of the first 1, 2, 3 and 4 ranks of one job
-    for w in (2, 3, 4):
-        for key in ("params", "grads"):
-            assert all(torch.equal(a, b) for a, b in zip(got[1, True][key], got[w, True][key])), (w, key)
-    assert not all(torch.equal(a, b) for a, b in zip(got[3, False]["params"], got[4, False]["params"]))
+    for w in (1, 2, 3, 4):
+        for r in range(w):
+            for key in ("params", "grads"):
+                assert all(torch.equal(a, b) for a, b in zip(got[1, True, 0][key], got[w, True, r][key])), (w, r, key)
+            assert not any(got[w, True, r]["finite"]), (w, r)
+    assert not all(torch.equal(a, b) for a, b in zip(got[3, False, 0]["params"], got[4, False, 0]["params"]))

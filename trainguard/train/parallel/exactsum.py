@@ -1,47 +1,43 @@
-"""A gradient sum whose bits do not depend on the world size: V virtual data shards, summed exactly.
+"""A gradient sum whose bits do not depend on the world size: V virtual data shards, added in one fixed tree.
 
-Why floats cannot do it. The gradient exchange (gradsync.py) adds the ranks' gradients in float, in an
-order fixed by its layout and the world size: the same world gives the same bits, another world another
-order, and float addition is not associative. An elastic job that goes on at W-1 ranks (issue 41), or a
+Why the float sum over ranks cannot do it. The gradient exchange (gradsync.py) adds the ranks' gradients in
+float, in an order fixed by its layout and the world size: the same world gives the same bits, another world
+another order, and float addition is not associative. An elastic job that goes on at W-1 ranks (issue 41), or a
 job restarted on fewer hosts, would train on other bits.
 
 What it does instead. The global batch is defined over V fixed virtual shards; a rank of W holds the
-contiguous range `shard_range(V, W, rank)` and runs one backward per shard. Each shard's gradient is
-kept as it came out of its backward (the same bits wherever the shard runs, given its data and its
-random numbers), then converted to fixed point with a shared exponent per bucket and added as 64-bit
-integers, on the rank and across ranks. Integer addition is associative and exact, so the sum is
-the same integers for every W and every placement of the shards; it is converted back once, and the
-mean is that sum divided by V.
+contiguous range `shard_range(V, W, rank)` and runs one backward per shard. Each shard's gradient is kept as
+it came out of its backward (the same bits wherever the shard runs, given its data and its random numbers).
+The sum over the V shards is one fixed binary tree: node [a, b) is [a, m) + [m, b) with m the middle
+(`split`), its leaves the shards. Every node's value is a pure function of its shards' gradients, computed by
+the same float additions wherever it is computed, so the root is the same bits at every W:
+- a rank adds up the largest nodes inside its own range itself (`cover`: one node when its range is a node of
+  the tree, as when V is W times a power of two and the world is W or W/2; a few after a shrink);
+- an all-to-all sends each rank's nodes, cut into W equal chunks, chunk j to rank j;
+- rank j finds the whole tree's partition in what it received, in shard order, and folds it to the root for its
+  chunk (`fold`), divides by V, and a second all-to-all hands every rank every chunk (an all-gather; gloo's
+  all-to-all moves the same bytes in about half the time of its all-gather here).
 
-The exponent. Every shard's gradient in a bucket is scaled by 2**k, where k makes the largest magnitude
-in the bucket over all shards (`all_reduce(MAX)` of one small integer per bucket, the only extra
-collective) fit V times below 2**62: no sum can overflow, and every float32 element within 2**-34 of the
-bucket's largest keeps all its 24 bits (the rounding of smaller ones is the same on every W as well).
-Scaling by a power of two is exact (in float32, or float64 for float64 gradients; half types are scaled in
-float32), the rounding to integers is a pure function of each value, and the conversion back rounds an
-exact integer once.
+The two collectives move what a ring all-reduce moves when every rank sends one node (a ring all-reduce is a
+reduce-scatter and an all-gather); a rank that sends k nodes sends k times the first half. No conversion, no
+exponent to agree on: the gradients are added as floats, in their own dtype, as DDP adds them. An inf or NaN
+goes into the sum as it would into DDP's, on every rank alike (a GradScaler skips the step everywhere).
 
-Non-finite gradients. An inf or NaN in any shard (a float16 overflow that a GradScaler is about to skip)
-has no fixed-point form: the MAX carries a flag, and every rank's gradients become NaN, so the scaler
-skips the step on every rank alike.
+The bucket's pieces leave as its last shard's backward fills it (overlap, as DDP's buckets do); the previous
+bucket's fold and all-gather follow each launch, so every rank issues the same collectives in the same order.
 
-Pure functions, one small class, and `exact_mean`, the collectives gradsync.py runs after the last shard.
+Measured against the other known way (bench/elastic_exact.py, 1.32M parameters, gloo on this machine's CPUs):
+gradients as 64-bit fixed point with a shared exponent per bucket (agreed by an all-reduce(MAX)), summed as
+integers, cost 1.73-2.67x DDP's step (twice the bytes, three passes of conversion, no overlap); this tree
+1.11-1.24x with one shard a rank (the README's benchmark section).
 """
 
 from __future__ import annotations
-
-import math
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
-
-INT_BITS = 62  # |sum over V shards| < 2**62: room for the sign and for the all-reduce's own adds
-NONFINITE = 1 << 20  # an exponent no finite float reaches (float64's is at most 1024): the flag in the MAX
-ZERO = -149  # the exponent of a bucket of zeros: below every nonzero float32's (the smallest is 2**-149)
-ONE_FACTOR = 120  # a power of two beyond this is applied as two factors, each inside float32's range
 
 
 def shard_range(shards: int, world: int, rank: int) -> range:
@@ -53,70 +49,77 @@ def shard_range(shards: int, world: int, rank: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
-def exponent(grads: list[torch.Tensor]) -> int:
-    """The smallest e with |g| < 2**e for every element of these gradients (one bucket, this rank's shards);
-    NONFINITE if one of them is inf or NaN."""
-    top = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-    if not math.isfinite(top):
-        return NONFINITE
-    return math.frexp(top)[1] if top else ZERO
+def split(node: range) -> tuple[range, range]:
+    """A node's two children in the fixed tree: its shards cut in the middle (the left half the larger)."""
+    if len(node) < 2:
+        raise ValueError(f"tree node {node} is a leaf")
+    middle = node.start + (len(node) + 1) // 2
+    return range(node.start, middle), range(middle, node.stop)
 
 
-def scale_bits(exp: int, shards: int) -> int:
-    """k such that V values below 2**exp, each scaled by 2**k and rounded, add up below 2**INT_BITS."""
-    return INT_BITS - exp - max(1, math.ceil(math.log2(shards)))
+def cover(here: range, shards: int) -> list[range]:
+    """The largest nodes of the tree over `shards` that lie inside `here`, in shard order: they partition it."""
+    out: list[range] = []
+
+    def walk(node: range) -> None:
+        if here.start <= node.start and node.stop <= here.stop:
+            out.append(node)
+        elif node.start < here.stop and here.start < node.stop:
+            for child in split(node):
+                walk(child)
+
+    walk(range(shards))
+    return out
 
 
-def _times_power_of_two(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x * 2**bits in x's dtype: exact (but where the result leaves the normal range), one pass per factor."""
-    if abs(bits) <= ONE_FACTOR:
-        return x * 2.0 ** bits
-    half = bits // 2
-    return (x * 2.0 ** half).mul_(2.0 ** (bits - half))
+def fold(node: range, given: dict[range, torch.Tensor]) -> torch.Tensor:
+    """The value of `node`: `given[node]` where given, else its children's values added (a new tensor). The nodes
+    given must partition `node`."""
+    if node in given:
+        return given[node]
+    left, right = split(node)
+    return fold(left, given) + fold(right, given)
 
 
-def _wide(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
-    """x in float32, or in float64 for float64 gradients: a float16's range would overflow at 2**62."""
-    return x.to(torch.float64 if dtype == torch.float64 else torch.float32)
+class ShardSum:
+    """This rank's shards' gradients for one step, bucket by bucket, and each bucket's sum over the tree: an earlier
+    shard's are kept as its backward left them, the last one's buckets leave as they fill (`launch`)."""
 
-
-def to_fixed(grad: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """round(grad * 2**bits) as int64, added into `out` when given (exact: integers). In the gradient's own float
-    dtype: scaled below 2**62, a float32 is an integer already once it is past 2**24, and rounds exactly below."""
-    q = _times_power_of_two(_wide(grad.dtype, grad), bits).round_().to(torch.int64)
-    return q if out is None else out.add_(q)
-
-
-def from_fixed(total: torch.Tensor, bits: int, shards: int, out: torch.Tensor) -> None:
-    """out = (total / 2**bits) / shards, in out's dtype: the mean over the V shards (the integer rounded once to
-    out's dtype, then scaled exactly, then divided)."""
-    out.copy_(_times_power_of_two(_wide(out.dtype, total), -bits).div_(shards))
-
-
-class ShardGrads:
-    """This rank's shards' gradients for one step, bucket by bucket, as each shard's backward left them."""
-
-    def __init__(self, shards: int, here: range):
-        self.shards, self.here = shards, here
-        self.kept: list[list[torch.Tensor]] = []  # per shard done: a copy of each bucket's gradients
+    def __init__(self, shards: int, world: int, rank: int, grads: list[torch.Tensor]):
+        self.shards, self.here = shards, shard_range(shards, world, rank)
+        self.trees = [TreeSum(shards, world, rank, g.numel(), g) for g in grads]
+        self.kept: list[list[torch.Tensor]] = []  # per earlier shard: a copy of each bucket's gradients
 
     @property
     def done(self) -> int:
         return len(self.kept)
 
-    def keep(self, grads: list[torch.Tensor], last: bool) -> None:
-        """A shard's backward ended; the last shard's gradients are used in place (no copy)."""
-        self.kept.append(grads if last else [g.clone() for g in grads])
+    @property
+    def in_last(self) -> bool:
+        """The backward running now (or next) is this rank's last shard's."""
+        return self.done == len(self.here) - 1
 
-    def exponents(self) -> list[int]:
-        return [exponent([shard[b] for shard in self.kept]) for b in range(len(self.kept[0]))]
+    def keep(self, grads: list[torch.Tensor]) -> None:
+        """A shard's backward ended, not the last: a copy of its gradients; the buckets start from zero for the next
+        (its own gradient, not a float sum)."""
+        self.kept.append([g.clone() for g in grads])
+        for g in grads:
+            g.zero_()
 
-    def fixed(self, b: int, bits: int) -> torch.Tensor:
-        """Bucket b's gradients over this rank's shards, in fixed point (int64), summed in shard order."""
-        total = to_fixed(self.kept[0][b], bits)
-        for shard in self.kept[1:]:
-            to_fixed(shard[b], bits, total)
-        return total
+    def launch(self, b: int, grads: list[torch.Tensor], group) -> list:
+        """Bucket b's nodes leave; then bucket b-1's root is taken and gathered into its gradients. Its works."""
+        leaves = [shard[b] for shard in self.kept] + [grads[b]]
+        self.trees[b].launch({range(s, s + 1): g for s, g in zip(self.here, leaves)}, group)
+        return [self.trees[b - 1].gather(grads[b - 1], group)] if b else []
+
+    def gather_last(self, grads: list[torch.Tensor], group) -> list:
+        """The last bucket's root, gathered (after its `launch`). Its works."""
+        return [self.trees[-1].gather(grads[-1], group)]
+
+    def land(self, grads: list[torch.Tensor]) -> None:
+        """Once every gather is in: the sums into the gradients (a bucket whose chunks were padded)."""
+        for tree, g in zip(self.trees, grads):
+            tree.land(g)
 
     def clear(self) -> None:
         self.kept = []
@@ -129,20 +132,57 @@ class ShardGrads:
             "step's batch with `for x, y in trainguard.micro_batches(x, y):`")
 
 
-def exact_mean(ex: ShardGrads, grads: list[torch.Tensor], group, launch_more: Callable[[], list]) -> None:
-    """After the rank's last shard's backward: every shard's gradients, bucket by bucket, added in fixed point over
-    the ranks, and their mean over the V shards written into `grads` (the last shard's own). `launch_more()`
-    launches what else travels with the exchange and returns its works."""
-    exps = torch.tensor(ex.exponents(), dtype=torch.int64)
-    dist.all_reduce(exps, op=dist.ReduceOp.MAX, group=group)
-    nonfinite = bool((exps >= NONFINITE).any())
-    bits = [scale_bits(int(e), ex.shards) for e in exps]
-    totals = [] if nonfinite else [ex.fixed(b, k) for b, k in enumerate(bits)]
-    works = [dist.all_reduce(t, group=group, async_op=True) for t in totals] + launch_more()
-    for work in works:
-        work.wait()
-    for grad, total, k in zip(grads, totals, bits):
-        from_fixed(total, k, ex.shards, grad)
-    if nonfinite:
-        for grad in grads:
-            grad.fill_(float("nan"))
+class TreeSum:
+    """One bucket's sum over the tree, in two collectives (module docstring): `launch` the rank's nodes, then
+    `gather` the root's chunks into the bucket, then `land` them."""
+
+    def __init__(self, shards: int, world: int, rank: int, size: int, like: torch.Tensor):
+        self.shards, self.world, self.size = shards, world, size
+        self.chunk = -(-size // world)
+        self.covers = [cover(shard_range(shards, world, r), shards) for r in range(world)]
+        self.mine = self.covers[rank]
+        self.nodes = [node for held in self.covers for node in held]  # the tree's partition, in shard order
+        padded = self.chunk * world != size
+        shape = (world, len(self.mine), self.chunk)
+        self.send = like.new_zeros(shape) if padded or len(self.mine) > 1 else None  # zeros: the padding stays 0
+        self.recv = like.new_empty(len(self.nodes) * self.chunk)
+        self.out = like.new_empty(world * self.chunk) if padded else None
+        self.copies = like.new_empty(world, self.chunk)  # the rank's chunk of the root, once for every rank
+        self.work = None
+
+    def launch(self, leaves: dict[range, torch.Tensor], group) -> None:
+        """The rank's nodes, each added up from its leaves, chunk j of each to rank j."""
+        pieces = [fold(node, leaves) for node in self.mine]
+        if self.send is None:
+            send = pieces[0]
+        else:
+            send = self.send
+            for k, piece in enumerate(pieces):
+                _lay(piece, self.send[:, k, :])
+        self.work = dist.all_to_all_single(
+            self.recv, send.reshape(-1), output_split_sizes=[len(held) * self.chunk for held in self.covers],
+            input_split_sizes=[len(self.mine) * self.chunk] * self.world, group=group, async_op=True)
+
+    def gather(self, grads: torch.Tensor, group):
+        """The root for this rank's chunk, over V, gathered from every rank into `grads` (or the padded buffer);
+        the gather's work."""
+        self.work.wait()
+        rows = self.recv.view(len(self.nodes), self.chunk)
+        total = fold(range(self.shards), {node: rows[k] for k, node in enumerate(self.nodes)})
+        torch.div(total, self.shards, out=self.copies[0])
+        self.copies[1:].copy_(self.copies[0].expand(self.world - 1, self.chunk))
+        return dist.all_to_all_single(grads if self.out is None else self.out, self.copies.view(-1), group=group,
+                                      async_op=True)
+
+    def land(self, grads: torch.Tensor) -> None:
+        if self.out is not None:
+            grads.copy_(self.out[:self.size])
+
+
+def _lay(piece: torch.Tensor, rows: torch.Tensor) -> None:
+    """piece's elements into `rows` (W rows of a chunk each) in order; the rest of the last rows stays as it is."""
+    chunk = rows.shape[1]
+    full, rest = divmod(piece.numel(), chunk)
+    rows[:full].copy_(piece[:full * chunk].view(full, chunk))
+    if rest:
+        rows[full, :rest].copy_(piece[full * chunk:])

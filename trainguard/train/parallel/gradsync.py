@@ -48,8 +48,9 @@ with the same buffers and no forward broadcasts them, and any other small exchan
 the riders' capacities, so the gradients' summation order never depends on a step's contents.
 
 Virtual shards (`set_shards(V)`): the float sum over ranks is bit-identical only at one world size. With V
-shards each backward is one shard's (`exactsum.shard_range`), nothing is launched during them, and the last
-one's end adds every shard's gradients in fixed point (exactsum.py): the same bits at every W.
+shards each backward is one shard's (`exactsum.shard_range`); the earlier shards' gradients are kept, and in the
+rank's last shard's backward each bucket leaves as it fills, summed over one fixed tree of the shards
+(exactsum.py): the same bits at every W.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from torch import nn
 
 from ...errors import CollectiveFailed
 from ...worker.collectives import internal
-from .exactsum import ShardGrads, exact_mean, shard_range
+from .exactsum import ShardSum
 
 MB = 1 << 20
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MB  # a freed block larger than this leaves glibc's thresholds where they are
@@ -131,7 +132,7 @@ class GradSync:
         self.riders: list = []  # more riders (riders.py), after the share
         self.enabled = True  # False inside no_sync()
         self.shards = 0  # virtual shards (set_shards): 0 for the float sum over the ranks
-        self.exact: ShardGrads | None = None  # this step's shards' gradients, under virtual shards
+        self.exact: ShardSum | None = None  # this step's shards' gradients and their sum, under virtual shards
         self.before_sum: Callable[[], None] | None = None  # after the rank's last shard's backward (ddp.py: buffers)
         # a failed exchange done again with this rank's own gradients, in the next generation (train/engine/instep.py):
         # `on_failure(error)` recovers and says whether to; the gradients are kept as launched (one copy) in the
@@ -156,8 +157,8 @@ class GradSync:
 
     def attach(self, group: dist.ProcessGroup) -> None:
         self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.exact = ShardGrads(self.shards, shard_range(self.shards, self.world, self.rank)) if self.shards else None
         self._lay_out()
+        self.exact = ShardSum(self.shards, self.world, self.rank, self._grads()) if self.shards else None
         self._reset()
 
     def set_shards(self, shards: int) -> None:
@@ -183,6 +184,9 @@ class GradSync:
                 b.grads = b.buffer[:b.size]
         device = last.device if last is not None else torch.device("cpu")
         self._control = None if carries else torch.zeros(self.world, dtype=torch.float32, device=device)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [b.grads for b in self.buckets]
 
     def ride(self, rider) -> None:
         """`rider` rides in every exchange from the next backward on (riders.py)."""
@@ -231,7 +235,7 @@ class GradSync:
             p.grad = view
         bucket.arrived[i] = True
         bucket.missing -= 1
-        if self.exact is None:
+        if self.exact is None or self.exact.in_last:
             self._launch_ready()
 
     def _begin(self) -> None:
@@ -248,7 +252,7 @@ class GradSync:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        last = b == len(self.buckets) - 1
+        last = b == len(self.buckets) - 1 and self.exact is None  # under virtual shards the tail goes at the end
         if last:
             self._fill_tail()
         if self.error is not None:
@@ -259,7 +263,10 @@ class GradSync:
             bucket.local.copy_(bucket.grads)
         try:
             with internal():
-                self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+                if self.exact is not None:  # its nodes leave, the previous bucket's root is gathered (exactsum.py)
+                    self._works += self.exact.launch(b, self._grads(), self.group)
+                else:
+                    self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
                 if last and self._control is not None:
                     self._works.append(dist.all_reduce(self._control, group=self.group, async_op=True))
                 if last and self.share and not self.share.riding:
@@ -283,11 +290,12 @@ class GradSync:
                 if not bucket.arrived[i]:
                     view.zero_()
             bucket.missing = 0
+        if self.exact is not None and not self.exact.in_last:  # an earlier shard's backward: kept (exactsum.py)
+            self.exact.keep(self._grads())
+            return
+        self._launch_ready()
         if self.exact is not None:
-            if not self._exact_shard():
-                return
-        else:
-            self._launch_ready()
+            self._exact_end()
         self._wait()
         if self.error is not None and self._keeping and self._recovered(self.error):
             self._redo()
@@ -310,28 +318,22 @@ class GradSync:
                     p.grad = view
         self._synced = True
 
-    def _exact_shard(self) -> bool:
-        """A shard's backward ended: keep its gradients; after the last of this rank's, add every shard's in fixed
-        point across the ranks (the mean over V lands in the buckets). Whether the exchange ran."""
-        ex = self.exact
-        last = ex.done + 1 >= len(ex.here)
-        ex.keep([b.grads for b in self.buckets], last)
-        if not last:
-            for b in self.buckets:
-                b.grads.zero_()  # the next shard's backward starts from zero: its own gradient, not a float sum
-            return False
-        if self.before_sum is not None:
-            self.before_sum()
-        if self.after_launch is not None:  # the exchange begins (a fault injection point: faults.py)
-            self.after_launch()
+    def _exact_end(self) -> None:
+        """After the last shard's buckets left: the last one's root gathered, the buffers as shard 0 left them
+        (`before_sum`), the tail; once everything is in, the sums land in the gradients."""
         try:
             with internal():
-                exact_mean(ex, [b.grads for b in self.buckets], self.group, self._launch_tail)
+                self._works += [] if self.error else self.exact.gather_last(self._grads(), self.group)
+                if self.before_sum is not None:
+                    self.before_sum()
+                self._works += [] if self.error else self._launch_tail()
         except (RuntimeError, CollectiveFailed) as exc:
             self._fail(exc)
         finally:
-            ex.clear()
-        return True
+            self.exact.clear()
+        self._wait()
+        if self.error is None:
+            self.exact.land(self._grads())
 
     def _fill_tail(self) -> torch.Tensor:
         """The control slots and the riders, this rank's values written, zeros elsewhere (each slot is one rank's)."""
