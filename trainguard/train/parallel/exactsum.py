@@ -19,7 +19,9 @@ the same float additions wherever it is computed, so the root is the same bits a
   all-to-all moves the same bytes in about half the time of its all-gather here).
 
 The two collectives move what a ring all-reduce moves when every rank sends one node (a ring all-reduce is a
-reduce-scatter and an all-gather); a rank that sends k nodes sends k times the first half. No conversion, no
+reduce-scatter and an all-gather); a rank that sends k nodes sends k times the first half. On two ranks that hold
+one node each the root is a single addition, whose bits do not depend on the order of its two operands: an
+all-reduce computes it exactly, so that case is DDP's exchange (`TreeSum.direct`). No conversion, no
 exponent to agree on: the gradients are added as floats, in their own dtype, as DDP adds them. An inf or NaN
 goes into the sum as it would into DDP's, on every rank alike (a GradScaler skips the step everywhere).
 
@@ -29,7 +31,7 @@ bucket's fold and all-gather follow each launch, so every rank issues the same c
 Measured against the other known way (bench/elastic_exact.py, 1.32M parameters, gloo on this machine's CPUs):
 gradients as 64-bit fixed point with a shared exponent per bucket (agreed by an all-reduce(MAX)), summed as
 integers, cost 1.73-2.67x DDP's step (twice the bytes, three passes of conversion, no overlap); this tree
-1.11-1.24x with one shard a rank (the README's benchmark section).
+1.06x on two ranks and 1.11-1.13x on four with one shard a rank (the README's benchmark section).
 """
 
 from __future__ import annotations
@@ -107,14 +109,16 @@ class ShardSum:
             g.zero_()
 
     def launch(self, b: int, grads: list[torch.Tensor], group) -> list:
-        """Bucket b's nodes leave; then bucket b-1's root is taken and gathered into its gradients. Its works."""
+        """Bucket b's nodes leave; then bucket b-1's root is taken and gathered into its gradients (an all-reduce's
+        result waits for the end: taking it launches nothing). Its works."""
         leaves = [shard[b] for shard in self.kept] + [grads[b]]
         self.trees[b].launch({range(s, s + 1): g for s, g in zip(self.here, leaves)}, group)
-        return [self.trees[b - 1].gather(grads[b - 1], group)] if b else []
+        return self.trees[b - 1].gather(grads[b - 1], group) if b and not self.trees[b].direct else []
 
     def gather_last(self, grads: list[torch.Tensor], group) -> list:
-        """The last bucket's root, gathered (after its `launch`). Its works."""
-        return [self.trees[-1].gather(grads[-1], group)]
+        """After the last bucket's `launch`: the roots not taken yet. Their works."""
+        direct = self.trees[-1].direct
+        return [w for b in (range(len(self.trees)) if direct else [-1]) for w in self.trees[b].gather(grads[b], group)]
 
     def land(self, grads: list[torch.Tensor]) -> None:
         """Once every gather is in: the sums into the gradients (a bucket whose chunks were padded)."""
@@ -142,17 +146,24 @@ class TreeSum:
         self.covers = [cover(shard_range(shards, world, r), shards) for r in range(world)]
         self.mine = self.covers[rank]
         self.nodes = [node for held in self.covers for node in held]  # the tree's partition, in shard order
-        padded = self.chunk * world != size
+        # two nodes (two ranks, one each): the root is one addition, whose two operands give the same bits in
+        # either order, so an all-reduce of the nodes computes it exactly (DDP's one collective, in place)
+        self.direct = len(self.nodes) <= 2
+        padded = self.chunk * world != size and not self.direct
         shape = (world, len(self.mine), self.chunk)
         self.send = like.new_zeros(shape) if padded or len(self.mine) > 1 else None  # zeros: the padding stays 0
-        self.recv = like.new_empty(len(self.nodes) * self.chunk)
+        self.recv = like.new_empty(0 if self.direct else len(self.nodes) * self.chunk)
         self.out = like.new_empty(world * self.chunk) if padded else None
-        self.copies = like.new_empty(world, self.chunk)  # the rank's chunk of the root, once for every rank
-        self.work = None
+        self.copies = like.new_empty(0 if self.direct else world * self.chunk).view(-1, self.chunk)  # the root's
+        self.work, self.piece = None, None  # chunk on this rank, once for every rank
 
     def launch(self, leaves: dict[range, torch.Tensor], group) -> None:
         """The rank's nodes, each added up from its leaves, chunk j of each to rank j."""
         pieces = [fold(node, leaves) for node in self.mine]
+        if self.direct:
+            self.piece = pieces[0]
+            self.work = dist.all_reduce(self.piece, group=group, async_op=True)
+            return
         if self.send is None:
             send = pieces[0]
         else:
@@ -165,14 +176,17 @@ class TreeSum:
 
     def gather(self, grads: torch.Tensor, group):
         """The root for this rank's chunk, over V, gathered from every rank into `grads` (or the padded buffer);
-        the gather's work."""
+        the gather's works."""
         self.work.wait()
+        if self.direct:
+            torch.div(self.piece, self.shards, out=grads)
+            return []
         rows = self.recv.view(len(self.nodes), self.chunk)
         total = fold(range(self.shards), {node: rows[k] for k, node in enumerate(self.nodes)})
         torch.div(total, self.shards, out=self.copies[0])
         self.copies[1:].copy_(self.copies[0].expand(self.world - 1, self.chunk))
-        return dist.all_to_all_single(grads if self.out is None else self.out, self.copies.view(-1), group=group,
-                                      async_op=True)
+        return [dist.all_to_all_single(grads if self.out is None else self.out, self.copies.view(-1), group=group,
+                                       async_op=True)]
 
     def land(self, grads: torch.Tensor) -> None:
         if self.out is not None:
