@@ -62,12 +62,14 @@ def test_two_and_three_workers_train_to_the_bits_of_four(tmp_path, uninterrupted
     assert losses == uninterrupted[3][1]
 
 
-def test_noise_drawn_in_two_loader_workers_is_the_same_on_three_workers_as_on_four(tmp_path):
-    """Each sample's draws in a loader worker are keyed by the sample (train/data/loaderseed.py), not the rank."""
+@pytest.mark.parametrize("job_args", [("--num-workers", "2"), ("--noise",)], ids=["loader-workers", "main-process"])
+def test_noise_drawn_in_getitem_is_the_same_on_three_workers_as_on_four(tmp_path, job_args):
+    """Each sample's draws in `__getitem__` are keyed by the sample (train/data/loaderseed.py), not the rank: in two
+    loader workers, and in the main process."""
     results = []
     for workers in (4, 3):
         out = tmp_path / str(workers)
-        proc = run(out, workers, job_args=("--num-workers", "2"), epochs=2)
+        proc = run(out, workers, job_args=job_args, epochs=2)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results.append(result(out))
     assert_identical(results[0][0], results[1][0], "3 workers")

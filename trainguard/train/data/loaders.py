@@ -53,7 +53,8 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
 
     def __init__(self, *args, **kwargs):
         sampler, here = kwargs.get("sampler"), shards_here()
-        if here is not None and isinstance(sampler, ShardedSampler):
+        self.tg_virtual = here is not None and isinstance(sampler, ShardedSampler)  # main-process draws per sample too
+        if self.tg_virtual:
             batch = kwargs.pop("batch_size", args[1] if len(args) > 1 else 1)
             sampler.set_virtual(rt_mod.current().cfg.virtual_shards, here, batch)
             args, kwargs = args[:1] + args[2:], {**kwargs, "batch_size": batch * len(here)}
@@ -62,7 +63,8 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
         self.tg_kept = streamstate.attach(self)  # a stream that keeps its own position: its workers' states
 
     def __iter__(self):
-        return guarded_iter(self, lambda session: seed_loader_samples(self, sharded_sampler(self), session.streams.seed))
+        return guarded_iter(self, lambda session: seed_loader_samples(self, sharded_sampler(self), session.streams.seed,
+                                                                      in_main=self.tg_virtual))
 
     def plain_iter(self):
         return super().__iter__()

@@ -16,7 +16,9 @@ The sampler (trainguard's DistributedSampler or ShardedSampler) yields each inde
 its copy of the dataset seed Python's, NumPy's and torch's streams from the key before each `dataset[i]`.
 A dataset's own `__getitems__` (whole-batch fetching) is turned off in the workers for that: one
 `__getitem__` a sample.
-Nothing changes in the main process, and a dataset indexed with a plain int behaves as before. Both the
+In the main process (`num_workers=0`) nothing changes either, but under virtual shards: there a fetch's key is
+the rank's, and a rank fetches several shards' samples at once, so the dataset is seeded per sample there too
+(its draws then follow the sample wherever its shard runs). A dataset indexed with a plain int behaves as before. Both the
 training wrappers' `trainguard.DataLoader` and the Session's loader (`TrainState(loader=...)`) do this
 (`seed_loader_samples`) each time an iterator starts.
 """
@@ -53,13 +55,17 @@ def sample_seed(job_seed: int, epoch: int, index: int) -> int:
     return int.from_bytes(digest, "little") % SEED_RANGE
 
 
-def seed_loader_samples(loader, sampler, job_seed: int | None) -> None:
+def seed_loader_samples(loader, sampler, job_seed: int | None, *, in_main: bool = False) -> None:
     """Before an iterator of `loader` starts: with workers, its sampler (trainguard's) yields SampleKeys and
-    each worker seeds per sample (after the script's own `worker_init_fn`). Idempotent; nothing without
-    workers or before the job has its seed."""
-    if loader.num_workers == 0 or sampler is None or job_seed is None:
+    each worker seeds per sample (after the script's own `worker_init_fn`). Without workers, only `in_main`
+    (virtual shards): the dataset seeds per sample in this process. Idempotent; nothing before the job has its
+    seed."""
+    if (loader.num_workers == 0 and not in_main) or sampler is None or job_seed is None:
         return
     sampler.keys_seed = job_seed
+    if loader.num_workers == 0:
+        seed_each_sample(loader.dataset)
+        return
     if not isinstance(loader.worker_init_fn, SeedSamplesInWorker):
         loader.worker_init_fn = SeedSamplesInWorker(loader.worker_init_fn)
 
@@ -78,7 +84,8 @@ class SeedSamplesInWorker:
 
 
 def seed_each_sample(dataset) -> None:
-    """Make this worker's copy of `dataset` seed the global streams from each SampleKey it is indexed with."""
+    """Make `dataset` (a worker's copy, or under virtual shards the main process's) seed the global streams from
+    each SampleKey it is indexed with; a plain index is fetched as before."""
     cls = type(dataset)
     if getattr(cls, "_tg_seeds_samples", False):
         return
@@ -94,5 +101,5 @@ def seed_each_sample(dataset) -> None:
     try:
         dataset.__class__ = seeded
     except TypeError as exc:  # a class whose instances cannot change class (built in C)
-        log.warning("loader worker: %s cannot be seeded per sample (%s): its random draws after a recovery may "
-                    "differ from an uninterrupted run's", cls.__name__, exc)
+        log.warning("%s cannot be seeded per sample (%s): its random draws after a recovery or a change of world "
+                    "size may differ from an uninterrupted run's", cls.__name__, exc)
