@@ -5,8 +5,9 @@ Each worker process builds the same MLP (1M or 5M parameters) and runs, alternat
 steps, (a) torch's DDP with a batch of B per rank, and (b) trainguard's gradient exchange in exact mode with
 V virtual shards: each rank holds V/W shards and runs one forward and backward per shard, on B*W/V samples
 each, so the global batch (V shards of B*W/V) is the same. V = W is the cost of the exact sum alone (one
-shard a rank); V = 2W adds the split of a rank's batch into two backwards. Step time: median over all blocks
-of rank 0's per-block mean; the ratio is exact over DDP.
+shard a rank); V = 2W adds the split of a rank's batch into two backwards, and is also compared with DDP on the
+same two micro-batches (`no_sync` on the first), which isolates the exact sum's own cost. Step time: median over
+all blocks of rank 0's per-block mean; the ratio is exact over DDP.
 
     python bench/elastic_exact.py [--workers 2 4] [--width 1024] [--blocks 6] [--steps 10] [--shrink-runs 3]
 
@@ -20,6 +21,7 @@ workers (from the job's per-step timestamps).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -63,10 +65,15 @@ def _worker(rank: int, world: int, port: int, args, shards: int, out: dict) -> N
                   "exact": torch.optim.SGD(exact_model.parameters(), lr=0.01)}
 
     def step(kind: str) -> None:
-        opt = optimizers[kind]
+        opt = optimizers["exact" if kind == "exact" else "ddp"]
         opt.zero_grad()
         if kind == "ddp":
             nn.functional.cross_entropy(ddp(x), y).backward()
+        elif kind == "ddp_micro":  # DDP on the same micro-batches as the exact sum's shards (no_sync but the last)
+            for i, _ in enumerate(here):
+                part = slice(i * per_shard, (i + 1) * per_shard)
+                with ddp.no_sync() if i < len(here) - 1 else contextlib.nullcontext():
+                    nn.functional.cross_entropy(ddp(x[part]), y[part]).backward()
         else:
             for i, _ in enumerate(here):
                 part = slice(i * per_shard, (i + 1) * per_shard)
@@ -74,12 +81,13 @@ def _worker(rank: int, world: int, port: int, args, shards: int, out: dict) -> N
             sync.result()
         opt.step()
 
-    times: dict[str, list[float]] = {"ddp": [], "exact": []}
-    for kind in ("ddp", "exact"):  # warm-up
+    kinds = ("ddp", "exact") if len(here) == 1 else ("ddp", "ddp_micro", "exact")
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for kind in kinds:  # warm-up
         for _ in range(3):
             step(kind)
     for block in range(args.blocks):
-        for kind in (("ddp", "exact") if block % 2 == 0 else ("exact", "ddp")):
+        for kind in (kinds if block % 2 == 0 else kinds[::-1]):
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -146,8 +154,11 @@ def main() -> None:
                 mp.start_processes(_worker, args=(world, free_port(), args, shards, out), nprocs=world,
                                    start_method="spawn")
                 ddp, exact = statistics.median(out["ddp"]), statistics.median(out["exact"])
+                micro = statistics.median(out["ddp_micro"]) if "ddp_micro" in out else None
+            same = "" if micro is None else (f"   DDP on the same {shards // world} micro-batches {micro * 1e3:7.2f} ms   "
+                                             f"ratio {exact / micro:.3f}")
             print(f"W={world} V={shards:<2}  DDP {ddp * 1e3:7.2f} ms   exact {exact * 1e3:7.2f} ms   "
-                  f"ratio {exact / ddp:.3f}", flush=True)
+                  f"ratio {exact / ddp:.3f}{same}", flush=True)
     if args.shrink_runs:
         import tempfile
 

@@ -31,7 +31,10 @@ bucket's fold and all-gather follow each launch, so every rank issues the same c
 Measured against the other known way (bench/elastic_exact.py, 1.32M parameters, gloo on this machine's CPUs):
 gradients as 64-bit fixed point with a shared exponent per bucket (agreed by an all-reduce(MAX)), summed as
 integers, cost 1.73-2.67x DDP's step (twice the bytes, three passes of conversion, no overlap); this tree
-1.06x on two ranks and 1.11-1.13x on four with one shard a rank (the README's benchmark section).
+0.94-1.04x (the README's benchmark section).
+
+The exchange's tail (the control slots and what rides: gradsync.py) travels with the last bucket, in the all-reduce
+or with the nodes: as a collective of its own it had cost 5-8% of the step.
 """
 
 from __future__ import annotations
@@ -74,22 +77,25 @@ def cover(here: range, shards: int) -> list[range]:
     return out
 
 
-def fold(node: range, given: dict[range, torch.Tensor]) -> torch.Tensor:
-    """The value of `node`: `given[node]` where given, else its children's values added (a new tensor). The nodes
-    given must partition `node`."""
+def fold(node: range, given: dict[range, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The value of `node`: `given[node]` where given, else its children's values added (a new tensor, or `out`,
+    written last: it may be one of the nodes given). The nodes given must partition `node`."""
     if node in given:
-        return given[node]
+        value = given[node]
+        return value if out is None or out.data_ptr() == value.data_ptr() else out.copy_(value)
     left, right = split(node)
-    return fold(left, given) + fold(right, given)
+    return torch.add(fold(left, given), fold(right, given), out=out)
 
 
 class ShardSum:
     """This rank's shards' gradients for one step, bucket by bucket, and each bucket's sum over the tree: an earlier
-    shard's are kept as its backward left them, the last one's buckets leave as they fill (`launch`)."""
+    shard's are kept as its backward left them, the last one's buckets leave as they fill (`launch`). `buckets`:
+    each bucket's (gradients' length, buffer); `tail`: the length of the last one's tail (TreeSum)."""
 
-    def __init__(self, shards: int, world: int, rank: int, grads: list[torch.Tensor]):
+    def __init__(self, shards: int, world: int, rank: int, buckets: list[tuple[int, torch.Tensor]], tail: int):
         self.shards, self.here = shards, shard_range(shards, world, rank)
-        self.trees = [TreeSum(shards, world, rank, g.numel(), g) for g in grads]
+        self.trees = [TreeSum(shards, world, rank, size, room, tail if b == len(buckets) - 1 else 0)
+                      for b, (size, room) in enumerate(buckets)]
         self.kept: list[list[torch.Tensor]] = []  # per earlier shard: a copy of each bucket's gradients
 
     @property
@@ -108,22 +114,23 @@ class ShardSum:
         for g in grads:
             g.zero_()
 
-    def launch(self, b: int, grads: list[torch.Tensor], group) -> list:
-        """Bucket b's nodes leave; then bucket b-1's root is taken and gathered into its gradients (an all-reduce's
-        result waits for the end: taking it launches nothing). Its works."""
-        leaves = [shard[b] for shard in self.kept] + [grads[b]]
-        self.trees[b].launch({range(s, s + 1): g for s, g in zip(self.here, leaves)}, group)
-        return self.trees[b - 1].gather(grads[b - 1], group) if b and not self.trees[b].direct else []
+    def launch(self, b: int, rooms: list[torch.Tensor], group) -> list:
+        """Bucket b's nodes leave (the last bucket: once its tail is filled); then bucket b-1's root is taken and
+        gathered (an all-reduce's result waits for the end: taking it launches nothing). Its works."""
+        tree = self.trees[b]
+        leaves = [shard[b] for shard in self.kept] + [rooms[b][:tree.size]]
+        tree.launch({range(s, s + 1): g for s, g in zip(self.here, leaves)}, rooms[b], group)
+        return self.trees[b - 1].gather(rooms[b - 1], group) if b and not tree.direct else []
 
-    def gather_last(self, grads: list[torch.Tensor], group) -> list:
+    def gather_last(self, rooms: list[torch.Tensor], group) -> list:
         """After the last bucket's `launch`: the roots not taken yet. Their works."""
         direct = self.trees[-1].direct
-        return [w for b in (range(len(self.trees)) if direct else [-1]) for w in self.trees[b].gather(grads[b], group)]
+        return [w for b in (range(len(self.trees)) if direct else [-1]) for w in self.trees[b].gather(rooms[b], group)]
 
-    def land(self, grads: list[torch.Tensor]) -> None:
+    def land(self, rooms: list[torch.Tensor]) -> None:
         """Once every gather is in: the sums into the gradients (a bucket whose chunks were padded)."""
-        for tree, g in zip(self.trees, grads):
-            tree.land(g)
+        for tree, room in zip(self.trees, rooms):
+            tree.land(room)
 
     def clear(self) -> None:
         self.kept = []
@@ -137,64 +144,90 @@ class ShardSum:
 
 
 class TreeSum:
-    """One bucket's sum over the tree, in two collectives (module docstring): `launch` the rank's nodes, then
-    `gather` the root's chunks into the bucket, then `land` them."""
+    """One bucket's sum over the tree (module docstring): `launch` sends the rank's nodes, `gather` takes this rank's
+    chunk of the root and sends it to every rank, `land` puts a padded bucket's sums in place. Each works on the
+    bucket's buffer (`room`): its gradients, the last shard's leaf, then the exchange's tail in the last bucket
+    (gradsync.py: the control slots and the riders, each rank's values in its own slots and zeros elsewhere), then
+    zeros up to W equal chunks. The tail goes to every rank with the nodes, and each adds up the W tails: exact, with
+    one value a slot."""
 
-    def __init__(self, shards: int, world: int, rank: int, size: int, like: torch.Tensor):
-        self.shards, self.world, self.size = shards, world, size
+    def __init__(self, shards: int, world: int, rank: int, size: int, like: torch.Tensor, tail: int = 0):
+        self.shards, self.world, self.size, self.tail = shards, world, size, tail
         self.chunk = -(-size // world)
         self.covers = [cover(shard_range(shards, world, r), shards) for r in range(world)]
         self.mine = self.covers[rank]
-        self.nodes = [node for held in self.covers for node in held]  # the tree's partition, in shard order
+        nodes = [node for held in self.covers for node in held]  # the tree's partition, in shard order
         # two nodes (two ranks, one each): the root is one addition, whose two operands give the same bits in
-        # either order, so an all-reduce of the nodes computes it exactly (DDP's one collective, in place)
-        self.direct = len(self.nodes) <= 2
-        padded = self.chunk * world != size and not self.direct
-        shape = (world, len(self.mine), self.chunk)
-        self.send = like.new_zeros(shape) if padded or len(self.mine) > 1 else None  # zeros: the padding stays 0
-        self.recv = like.new_empty(0 if self.direct else len(self.nodes) * self.chunk)
-        self.out = like.new_empty(world * self.chunk) if padded else None
-        self.copies = like.new_empty(0 if self.direct else world * self.chunk).view(-1, self.chunk)  # the root's
-        self.work, self.piece = None, None  # chunk on this rank, once for every rank
+        # either order, so an all-reduce of the nodes computes it exactly (DDP's one collective, in place, the tail in it)
+        self.direct = len(nodes) <= 2
+        self.out = like.new_empty(world * self.chunk) if self.chunk * world != size and not self.direct else None
+        self.send, self.work = None, None  # `send`: made once a rank's nodes cannot leave from its bucket as they are
+        self.splits = [len(held) * self.chunk + tail for held in self.covers]  # from each rank: its nodes, its tail
+        self.recv = like.new_empty(0 if self.direct else sum(self.splits))
+        self.rows: dict[range, torch.Tensor] = {}
+        self.tails: list[torch.Tensor] = []
+        at = 0
+        for held, n in zip(self.covers, self.splits):
+            self.rows.update((node, self.recv[at + k * self.chunk:at + (k + 1) * self.chunk]) for k, node in enumerate(held))
+            self.tails.append(self.recv[at + n - tail:at + n])
+            at += n
+        self.copies = like.new_empty(0 if self.direct else world * self.chunk).view(-1, self.chunk)  # the root's chunk
+        # on this rank, once for every rank
 
-    def launch(self, leaves: dict[range, torch.Tensor], group) -> None:
-        """The rank's nodes, each added up from its leaves, chunk j of each to rank j."""
-        pieces = [fold(node, leaves) for node in self.mine]
+    @staticmethod
+    def padded_size(size: int, world: int) -> int:
+        """A bucket's length rounded up to W equal chunks: its buffer is made at least this long, so that its last
+        shard's gradients leave from it as they are."""
+        return -(-size // world) * world
+
+    def launch(self, leaves: dict[range, torch.Tensor], room: torch.Tensor, group) -> None:
+        """The rank's nodes, each added up from its leaves, chunk j of each to rank j, with the tail."""
+        grads = room[:self.size]
         if self.direct:
-            self.piece = pieces[0]
-            self.work = dist.all_reduce(self.piece, group=group, async_op=True)
+            fold(self.mine[0], leaves, out=grads)
+            self.work = dist.all_reduce(room[:self.size + self.tail], group=group, async_op=True)
             return
-        if self.send is None:
-            send = pieces[0]
+        pieces = [fold(node, leaves) for node in self.mine]
+        whole, mine = self.world * self.chunk, len(self.mine) * self.chunk
+        if len(pieces) == 1 and not self.tail and room.numel() >= whole and room.data_ptr() == pieces[0].data_ptr():
+            send = room[:whole]  # what lies after the gradients travels in the padding, which no one lands
         else:
-            send = self.send
+            if self.send is None:
+                self.send = grads.new_zeros(self.world, mine + self.tail)  # zeros: the padding stays 0
             for k, piece in enumerate(pieces):
-                _lay(piece, self.send[:, k, :])
-        self.work = dist.all_to_all_single(
-            self.recv, send.reshape(-1), output_split_sizes=[len(held) * self.chunk for held in self.covers],
-            input_split_sizes=[len(self.mine) * self.chunk] * self.world, group=group, async_op=True)
+                _lay(piece, self.send[:, k * self.chunk:(k + 1) * self.chunk])
+            self.send[:, mine:].copy_(room[self.size:self.size + self.tail].expand(self.world, self.tail))
+            send = self.send
+        self.work = dist.all_to_all_single(self.recv, send.reshape(-1), output_split_sizes=self.splits,
+                                           input_split_sizes=[mine + self.tail] * self.world, group=group,
+                                           async_op=True)
 
-    def gather(self, grads: torch.Tensor, group):
-        """The root for this rank's chunk, over V, gathered from every rank into `grads` (or the padded buffer);
-        the gather's works."""
+    def gather(self, room: torch.Tensor, group) -> list:
+        """The root for this rank's chunk, over V, gathered from every rank into the bucket (or the padded buffer);
+        the tails added into the bucket's. The gather's works."""
         self.work.wait()
+        grads = room[:self.size]
         if self.direct:
-            torch.div(self.piece, self.shards, out=grads)
+            grads.div_(self.shards)  # not the tail: summed, not averaged
             return []
-        rows = self.recv.view(len(self.nodes), self.chunk)
-        total = fold(range(self.shards), {node: rows[k] for k, node in enumerate(self.nodes)})
-        torch.div(total, self.shards, out=self.copies[0])
+        if self.tail:
+            total = room[self.size:self.size + self.tail].copy_(self.tails[0])
+            for tail in self.tails[1:]:
+                total.add_(tail)
+        fold(range(self.shards), self.rows, out=self.copies[0])
+        self.copies[0].div_(self.shards)
         self.copies[1:].copy_(self.copies[0].expand(self.world - 1, self.chunk))
         return [dist.all_to_all_single(grads if self.out is None else self.out, self.copies.view(-1), group=group,
                                        async_op=True)]
 
-    def land(self, grads: torch.Tensor) -> None:
+    def land(self, room: torch.Tensor) -> None:
         if self.out is not None:
-            grads.copy_(self.out[:self.size])
+            room[:self.size].copy_(self.out[:self.size])
 
 
 def _lay(piece: torch.Tensor, rows: torch.Tensor) -> None:
-    """piece's elements into `rows` (W rows of a chunk each) in order; the rest of the last rows stays as it is."""
+    """piece's elements into `rows` (W rows of a chunk each, maybe columns of a wider buffer) in order; the rest of
+    the last rows stays as it is."""
     chunk = rows.shape[1]
     full, rest = divmod(piece.numel(), chunk)
     rows[:full].copy_(piece[:full * chunk].view(full, chunk))

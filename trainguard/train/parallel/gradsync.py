@@ -65,7 +65,7 @@ from torch import nn
 
 from ...errors import CollectiveFailed
 from ...worker.collectives import internal
-from .exactsum import ShardSum
+from .exactsum import ShardSum, TreeSum
 
 MB = 1 << 20
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MB  # a freed block larger than this leaves glibc's thresholds where they are
@@ -133,7 +133,7 @@ class GradSync:
         self.enabled = True  # False inside no_sync()
         self.shards = 0  # virtual shards (set_shards): 0 for the float sum over the ranks
         self.exact: ShardSum | None = None  # this step's shards' gradients and their sum, under virtual shards
-        self.before_sum: Callable[[], None] | None = None  # after the rank's last shard's backward (ddp.py: buffers)
+        self.before_sum: Callable[[], None] | None = None  # as the rank's last shard's last bucket leaves (ddp.py)
         # a failed exchange done again with this rank's own gradients, in the next generation (train/engine/instep.py):
         # `on_failure(error)` recovers and says whether to; the gradients are kept as launched (one copy) in the
         # backwards where `keeps_local()` said, at their start, that a failure would be recovered so
@@ -158,7 +158,6 @@ class GradSync:
     def attach(self, group: dist.ProcessGroup) -> None:
         self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self._lay_out()
-        self.exact = ShardSum(self.shards, self.world, self.rank, self._grads()) if self.shards else None
         self._reset()
 
     def set_shards(self, shards: int) -> None:
@@ -178,15 +177,21 @@ class GradSync:
                 at += n
         for b in self.buckets:
             extra = at if b is last and carries else 0
-            if b.buffer is None or b.buffer.numel() != b.size + extra:
-                b.buffer = torch.zeros(b.size + extra, dtype=b.dtype, device=b.device)
+            length = max(b.size + extra, TreeSum.padded_size(b.size, self.world) if self.shards else 0)  # exactsum.py
+            if b.buffer is None or b.buffer.numel() != length:
+                b.buffer = torch.zeros(length, dtype=b.dtype, device=b.device)
                 b.views = [b.buffer[off:off + p.numel()].view(p.shape) for p, off in zip(b.params, b.offsets)]
                 b.grads = b.buffer[:b.size]
         device = last.device if last is not None else torch.device("cpu")
         self._control = None if carries else torch.zeros(self.world, dtype=torch.float32, device=device)
+        self.exact = ShardSum(self.shards, self.world, self.rank, [(b.size, b.buffer) for b in self.buckets],
+                              at if carries else 0) if self.shards else None
 
     def _grads(self) -> list[torch.Tensor]:
         return [b.grads for b in self.buckets]
+
+    def _rooms(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.buckets]
 
     def ride(self, rider) -> None:
         """`rider` rides in every exchange from the next backward on (riders.py)."""
@@ -252,8 +257,10 @@ class GradSync:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        last = b == len(self.buckets) - 1 and self.exact is None  # under virtual shards the tail goes at the end
+        last = b == len(self.buckets) - 1
         if last:
+            if self.exact is not None and self.before_sum is not None:
+                self.before_sum()  # the buffers as shard 0's forward left them (ddp.py), before they ride
             self._fill_tail()
         if self.error is not None:
             return
@@ -264,7 +271,7 @@ class GradSync:
         try:
             with internal():
                 if self.exact is not None:  # its nodes leave, the previous bucket's root is gathered (exactsum.py)
-                    self._works += self.exact.launch(b, self._grads(), self.group)
+                    self._works += self.exact.launch(b, self._rooms(), self.group)
                 else:
                     self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
                 if last and self._control is not None:
@@ -319,21 +326,17 @@ class GradSync:
         self._synced = True
 
     def _exact_end(self) -> None:
-        """After the last shard's buckets left: the last one's root gathered, the buffers as shard 0 left them
-        (`before_sum`), the tail; once everything is in, the sums land in the gradients."""
+        """After the last shard's buckets left: the roots not gathered yet; once everything is in, the sums land."""
         try:
             with internal():
-                self._works += [] if self.error else self.exact.gather_last(self._grads(), self.group)
-                if self.before_sum is not None:
-                    self.before_sum()
-                self._works += [] if self.error else self._launch_tail()
+                self._works += [] if self.error else self.exact.gather_last(self._rooms(), self.group)
         except (RuntimeError, CollectiveFailed) as exc:
             self._fail(exc)
         finally:
             self.exact.clear()
         self._wait()
         if self.error is None:
-            self.exact.land(self._grads())
+            self.exact.land(self._rooms())
 
     def _fill_tail(self) -> torch.Tensor:
         """The control slots and the riders, this rank's values written, zeros elsewhere (each slot is one rank's)."""
@@ -344,11 +347,6 @@ class GradSync:
         for rider, start, end in self._rides:
             rider.fill(tail[start:end], self.rank)
         return tail
-
-    def _launch_tail(self) -> list:
-        """The tail for the exact sum, summed in float on its own (exact: one rank's value per slot); its works."""
-        works = [dist.all_reduce(self._fill_tail(), group=self.group, async_op=True)]
-        return works + (self.share.launch(self.rank, self.group) if self.share and not self.share.riding else [])
 
     def _wait(self) -> None:
         for work in self._works:
