@@ -1,5 +1,5 @@
-"""What the exact sum over virtual shards (a fixed tree: train/parallel/exactsum.py; issue 41) costs a step, against torch's
-DistributedDataParallel, on real gloo processes.
+"""What the exact sum over virtual shards (a fixed tree: train/parallel/exactsum.py; issue 41) costs a step, against
+torch's DistributedDataParallel, on real gloo processes.
 
 Each worker process builds the same MLP (1M or 5M parameters) and runs, alternating in blocks of `--steps`
 steps, (a) torch's DDP with a batch of B per rank, and (b) trainguard's gradient exchange in exact mode with
@@ -155,8 +155,8 @@ def main() -> None:
                                    start_method="spawn")
                 ddp, exact = statistics.median(out["ddp"]), statistics.median(out["exact"])
                 micro = statistics.median(out["ddp_micro"]) if "ddp_micro" in out else None
-            same = "" if micro is None else (f"   DDP on the same {shards // world} micro-batches {micro * 1e3:7.2f} ms   "
-                                             f"ratio {exact / micro:.3f}")
+            same = "" if micro is None else (f"   DDP on the same {shards // world} micro-batches "
+                                             f"{micro * 1e3:7.2f} ms   ratio {exact / micro:.3f}")
             print(f"W={world} V={shards:<2}  DDP {ddp * 1e3:7.2f} ms   exact {exact * 1e3:7.2f} ms   "
                   f"ratio {exact / ddp:.3f}{same}", flush=True)
     if args.shrink_runs:

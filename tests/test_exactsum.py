@@ -130,7 +130,8 @@ def trained(tmp_path) -> dict[tuple[int, bool], dict]:
 @pytest.mark.timeout(240)
 def test_virtual_shards_train_to_the_same_bits_on_one_two_three_and_four_ranks(tmp_path):
     """4 steps of SGD with momentum, dropout and BatchNorm, 12 shards of 8 samples: every parameter and gradient is
-    equal on every rank of 1, 2, 3 and 4 ranks, and a shard's inf reaches every rank's every gradient. The float sum over ranks (each rank's shards accumulated, then averaged as DDP
+    equal on every rank of 1, 2, 3 and 4 ranks, and a shard's inf reaches every rank's every gradient. The float sum
+    over ranks (each rank's shards accumulated, then averaged as DDP
     does) gives other bits at 3 and 4 ranks: the test would see a sum that depends on the world."""
     got = trained(tmp_path)  # groups of the first 1, 2, 3 and 4 ranks of one job
     for w in (1, 2, 3, 4):

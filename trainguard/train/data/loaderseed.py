@@ -18,8 +18,8 @@ A dataset's own `__getitems__` (whole-batch fetching) is turned off in the worke
 `__getitem__` a sample.
 In the main process (`num_workers=0`) nothing changes either, but under virtual shards: there a fetch's key is
 the rank's, and a rank fetches several shards' samples at once, so the dataset is seeded per sample there too
-(its draws then follow the sample wherever its shard runs). A dataset indexed with a plain int behaves as before. Both the
-training wrappers' `trainguard.DataLoader` and the Session's loader (`TrainState(loader=...)`) do this
+(its draws then follow the sample wherever its shard runs). A dataset indexed with a plain int behaves as before.
+Both the training wrappers' `trainguard.DataLoader` and the Session's loader (`TrainState(loader=...)`) do this
 (`seed_loader_samples`) each time an iterator starts.
 """
 

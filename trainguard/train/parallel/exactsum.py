@@ -157,18 +157,19 @@ class TreeSum:
         self.covers = [cover(shard_range(shards, world, r), shards) for r in range(world)]
         self.mine = self.covers[rank]
         nodes = [node for held in self.covers for node in held]  # the tree's partition, in shard order
-        # two nodes (two ranks, one each): the root is one addition, whose two operands give the same bits in
-        # either order, so an all-reduce of the nodes computes it exactly (DDP's one collective, in place, the tail in it)
+        # two nodes (two ranks, one each): the root is one addition, whose two operands give the same bits in either
+        # order, so an all-reduce of the nodes computes it exactly (DDP's one collective, in place, with the tail)
         self.direct = len(nodes) <= 2
         self.out = like.new_empty(world * self.chunk) if self.chunk * world != size and not self.direct else None
-        self.send, self.work = None, None  # `send`: made once a rank's nodes cannot leave from its bucket as they are
+        self.send, self.work = None, None  # `send`: made once the rank's nodes cannot leave from its bucket as is
         self.splits = [len(held) * self.chunk + tail for held in self.covers]  # from each rank: its nodes, its tail
         self.recv = like.new_empty(0 if self.direct else sum(self.splits))
         self.rows: dict[range, torch.Tensor] = {}
         self.tails: list[torch.Tensor] = []
         at = 0
         for held, n in zip(self.covers, self.splits):
-            self.rows.update((node, self.recv[at + k * self.chunk:at + (k + 1) * self.chunk]) for k, node in enumerate(held))
+            for k, node in enumerate(held):
+                self.rows[node] = self.recv[at + k * self.chunk:at + (k + 1) * self.chunk]
             self.tails.append(self.recv[at + n - tail:at + n])
             at += n
         self.copies = like.new_empty(0 if self.direct else world * self.chunk).view(-1, self.chunk)  # the root's chunk
@@ -189,7 +190,8 @@ class TreeSum:
             return
         pieces = [fold(node, leaves) for node in self.mine]
         whole, mine = self.world * self.chunk, len(self.mine) * self.chunk
-        if len(pieces) == 1 and not self.tail and room.numel() >= whole and room.data_ptr() == pieces[0].data_ptr():
+        if len(pieces) == 1 and not self.tail and room.numel() >= whole and room.data_ptr() == grads.data_ptr() \
+                and pieces[0].data_ptr() == grads.data_ptr():
             send = room[:whole]  # what lies after the gradients travels in the padding, which no one lands
         else:
             if self.send is None:
