@@ -142,3 +142,15 @@ def test_fewer_shards_than_workers_is_refused_at_start(tmp_path):
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == EXIT_CONFIG and "fewer than the job's 4 workers" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_sharded_model_under_elastic_is_refused_naming_what_to_use(tmp_path):
+    """FSDP2 shards are not re-laid onto fewer ranks (issue 41): the job ends at start with exit 78, the message
+    naming the strategy that does recover it and the way to shrink exactly."""
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--recover-strategy", "elastic",
+           "--elastic-deadline", "1", "--recovery-path", str(tmp_path / "r"), str(REPO / "examples" / "fsdp2_tutorial.py"),
+           "--steps", "3", "--layers", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert "elastic cannot re-lay its shards" in proc.stderr, proc.stderr[-3000:]
+    assert "recover-in-place" in proc.stderr and "--virtual-shards" in proc.stderr, proc.stderr[-3000:]

@@ -1,12 +1,11 @@
 """The commit-or-skip core: `for step in session.steps(): with step: ...`, or driven by the wrappers
 (train/engine/guard.py) from the user's own loop.
 
-A step is *committed* on a rank when its optimizer update was applied, and the update is applied
-only when the step's gradient exchange completed (the optimizer's step pre-hook raises
-`CollectiveFailed` otherwise). A failed step therefore changes nothing: there is no half-applied
-update and no rollback copy. Ranks may end up one step apart (an all-reduce can complete on some
-ranks and fail on others), and every rank that completed it holds the correct next state. So
-recovery is:
+A step is *committed* on a rank when its optimizer update was applied, and the update is applied only when the
+step's gradient exchange completed (the optimizer's step pre-hook raises `CollectiveFailed` otherwise). A failed
+step therefore changes nothing: there is no half-applied update and no rollback copy. Ranks may end up one step
+apart (an all-reduce can complete on some ranks and fail on others), and every rank that completed it holds the
+correct next state. So recovery is:
 
     drop the broken group -> join the next generation -> agree on the newest committed step s
     -> ranks at s keep their state; the others (a rank one step behind, a replacement) receive
@@ -109,8 +108,9 @@ class Session:
         state.sharded = state.sharded or is_sharded(state.model)
         self.live = LiveCopies(self) if state.sharded else None  # ranks hold parts: copies, shard map
         if self.live is not None and (state.optimizer is None or self.strategy.elastic):
-            raise ConfigError("a sharded model (FSDP2, HSDP, DP x TP) needs its optimizer in the state, and runs at "
-                              "a fixed world size: the elastic recover strategy cannot split its shards")
+            raise ConfigError("a sharded model (FSDP2, HSDP, DP x TP) needs its optimizer in the state and a fixed "
+                              "world size (elastic cannot re-lay its shards): use --recover-strategy recover-in-place, "
+                              "or shrink exactly with trainguard.DDP and --virtual-shards")
         self.buffers = guard_for(state.model, state.sharded)  # put back after a step cut short or skipped
         if self.sync is not None:
             self.sync.control = lambda: self.stop.signum  # the stop vote rides in the gradient all-reduce
