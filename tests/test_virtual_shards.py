@@ -154,3 +154,21 @@ def test_a_sharded_model_under_elastic_is_refused_naming_what_to_use(tmp_path):
     assert proc.returncode == 78, proc.stderr[-3000:]
     assert "elastic cannot re-lay its shards" in proc.stderr, proc.stderr[-3000:]
     assert "recover-in-place" in proc.stderr and "--virtual-shards" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_trainer_written_blind_trains_to_the_same_bits_on_three_workers_with_a_kill_as_on_four(tmp_path):
+    """tests/jobs/vshards_blind.py (augmentation in the main process's `__getitem__`, epochs numbered from 1): 4
+    workers uninterrupted, 3 with rank 1 killed in epoch 2; every model, optimizer and scheduler tensor is equal, and
+    the recovery does not call the loop's first epoch, `start_epoch(1)`, the script's own resume point."""
+    blind = REPO / "tests" / "jobs" / "vshards_blind.py"
+    outs = {}
+    for workers, fault in ((4, ""), (3, "1:20:kill")):
+        out = tmp_path / str(workers)
+        cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(workers), "--virtual-shards", SHARDS,
+               "--recovery-path", str(out / "recovery"), str(blind), "--epochs", "2", "--out", str(out / "final.pt")]
+        proc = subprocess.run(cmd, cwd=REPO, env=env(TG_FAULT=fault), capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs[workers] = torch.load(out / "final.pt")
+    assert (proc.stdout + proc.stderr).count("trainguard: recovery ") == 1, proc.stderr[-3000:]
+    assert "the script's own resume point" not in proc.stderr, proc.stderr[-3000:]
+    assert_identical(outs[4], outs[3], "3 workers, a kill")

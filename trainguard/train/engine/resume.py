@@ -14,15 +14,30 @@ from . import guard as guard_mod
 from .guard import current
 
 
+_first_default: int | None = None  # what this process's first run of the script passed to start_epoch()
+
+
+def _own_resume_point(default: int) -> bool:
+    """Whether `default` is the script's own resume point (computed or loaded) rather than its loop's first epoch: it
+    differs from what this process's first run of the script passed, or, in that run, is past 1 (a loop numbered
+    from 1 passes 1 every time; a resume point of 1 goes unmentioned)."""
+    global _first_default
+    if _first_default is None:
+        _first_default = default
+        return default > 1
+    return default != _first_default
+
+
 def start_epoch(default: int = 0) -> int:
     """The epoch this process's loop starts at: where the job is (a replacement, a rerun), else `default`.
     A `default` from the script's own resume code is not used (rank 0 says so)."""
     session = current().ensure_started()
+    own = _own_resume_point(default)
     if not session.step:  # a fresh job: the script's own resume point (its weights were broadcast from rank 0)
         session.epoch = max(session.epoch, default)
         session.passes.commit(session.epoch, session.in_epoch)
         return session.epoch
-    if default and session.rt.rank == 0:  # the script's own resume point, computed or loaded, is not where it starts
+    if own and session.rt.rank == 0:  # the script's own resume point, computed or loaded, is not where it starts
         print(f"trainguard: the loop starts where the job is (step {session.step}: epoch {session.epoch}, batch "
               f"{session.in_epoch}, from {session.source}), not at the script's own resume point (epoch {default}); "
               "a snapshot the script loaded was replaced by trainguard's state (keep that loading for runs without "
