@@ -104,6 +104,7 @@ def test_a_kill_with_no_replacement_shrinks_4_to_3_and_ends_bit_identical(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     worlds = [e["world_size"] for e in events(tmp_path) if e["event"] == "generation_formed"]
     assert worlds == [4, 3], worlds
+    assert "the job finished with 3 of its 4 workers" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     state, losses = result(tmp_path)
     assert_identical(uninterrupted[3][0], state, "4 -> 3")
     assert losses == uninterrupted[3][1]

@@ -159,6 +159,9 @@ class Scheduler:
             print(f"trainguard: job failed: {for_log(self.cluster.root_cause)}", file=sys.stderr, flush=True)
         elif job is not m.JobState.DONE:  # stopped, or still running after a stop signal (sched_child.py)
             log.info("the job stopped (%s); run it again to resume", self.cluster.root_cause or "a signal")
+        elif self.cluster.finishing and len(self.cluster.finishing) < self.cluster.worker_num:  # elastic, shrunk
+            log.info("the job finished with %d of its %d workers (%s; the others were left out); scheduler exits",
+                     len(self.cluster.finishing), self.cluster.worker_num, ", ".join(self.cluster.finishing))
         else:
             log.info("all %d workers finished; scheduler exits", self.cluster.worker_num)
         if self.db:
