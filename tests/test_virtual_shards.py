@@ -62,14 +62,13 @@ def test_two_and_three_workers_train_to_the_bits_of_four(tmp_path, uninterrupted
     assert losses == uninterrupted[3][1]
 
 
-@pytest.mark.parametrize("job_args", [("--num-workers", "2"), ("--noise",)], ids=["loader-workers", "main-process"])
-def test_noise_drawn_in_getitem_is_the_same_on_three_workers_as_on_four(tmp_path, job_args):
-    """Each sample's draws in `__getitem__` are keyed by the sample (train/data/loaderseed.py), not the rank: in two
-    loader workers, and in the main process."""
+def test_noise_drawn_in_two_loader_workers_is_the_same_on_three_workers_as_on_four(tmp_path):
+    """Each sample's draws in a loader worker are keyed by the sample (train/data/loaderseed.py), not the rank (in the
+    main process: the blind trainer's test below)."""
     results = []
     for workers in (4, 3):
         out = tmp_path / str(workers)
-        proc = run(out, workers, job_args=job_args, epochs=2)
+        proc = run(out, workers, job_args=("--num-workers", "2"), epochs=2)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results.append(result(out))
     assert_identical(results[0][0], results[1][0], "3 workers")
@@ -158,9 +157,10 @@ def test_a_sharded_model_under_elastic_is_refused_naming_what_to_use(tmp_path):
 
 
 def test_a_trainer_written_blind_trains_to_the_same_bits_on_three_workers_with_a_kill_as_on_four(tmp_path):
-    """tests/jobs/vshards_blind.py (augmentation in the main process's `__getitem__`, epochs numbered from 1): 4
-    workers uninterrupted, 3 with rank 1 killed in epoch 2; every model, optimizer and scheduler tensor is equal, and
-    the recovery does not call the loop's first epoch, `start_epoch(1)`, the script's own resume point."""
+    """tests/jobs/vshards_blind.py (augmentation in the main process's `__getitem__`, keyed per sample there too under
+    virtual shards; epochs numbered from 1): 4 workers uninterrupted, 3 with rank 1 killed in epoch 2; every model,
+    optimizer and scheduler tensor is equal, and the recovery does not call the loop's first epoch, `start_epoch(1)`,
+    the script's own resume point. (Before the per-sample keying in the main process, 3 workers differed.)"""
     blind = REPO / "tests" / "jobs" / "vshards_blind.py"
     outs = {}
     for workers, fault in ((4, ""), (3, "1:20:kill")):

@@ -32,7 +32,6 @@ parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--no-split", action="store_true", help="one backward on the whole batch: refused")
 parser.add_argument("--no-ddp", action="store_true", help="the model left unwrapped: refused")
 parser.add_argument("--num-workers", type=int, default=0, help="loader workers; with some, noise is drawn per sample")
-parser.add_argument("--noise", action="store_true", help="noise drawn in __getitem__ without loader workers too")
 args = parser.parse_args()
 
 started = os.path.join(args.out, "started", os.environ.get("TG_NODE_ID", "x"))
@@ -53,13 +52,13 @@ test = TensorDataset(X[480:], y[480:])
 
 class Noisy(torch.utils.data.Dataset):
     """The training digits, each drawn with noise from torch's global generator (as torchvision's random transforms
-    draw) when the loader has workers, or with --noise."""
+    draw) when the loader has workers."""
 
     def __len__(self):
         return 480
 
     def __getitem__(self, i):
-        return X[i] + (0.05 * torch.randn(64) if args.num_workers or args.noise else 0), y[i]
+        return X[i] + (0.05 * torch.randn(64) if args.num_workers else 0), y[i]
 
 
 train = Noisy()
