@@ -225,18 +225,19 @@ def test_a_sum_over_the_epochs_batches_after_a_resume_at_its_end_ends_the_job_at
     assert proc.stderr.count("restarting worker") == 1 and "giving up" not in proc.stderr  # only the killed one
 
 
-def test_an_imagenet_style_trainer_written_blind_is_bit_identical_at_every_fault(tmp_path):
+def test_an_imagenet_style_trainer_written_blind_is_bit_identical_after_kills_and_a_sigterm(tmp_path):
     original, port = ((JOBS / name).read_text().split('"""', 2)[2] for name in ("imagenet_style_torchrun.py",
                                                                               "imagenet_style.py"))
     assert "trainguard" not in original  # plain torch
     assert len(set(port.splitlines()) - set(original.splitlines())) == 5  # 3 import lines, tg.Optimizer, start_epoch
     cmd = [sys.executable, "-m", "trainguard", "verify", "--steps", "20", "--keep", str(tmp_path), "--workers",
-           str(WORKERS), "--faults", "mid-step,outside,epoch-end,sigterm", str(JOBS / "imagenet_style.py"), "--epochs",
+           str(WORKERS), "--faults", "mid-step,epoch-end,sigterm", str(JOBS / "imagenet_style.py"), "--epochs",
            "4", "--output-dir", "out"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(TG_EXACT=""), capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("kill -9", "SIGTERM"))]
-    assert len(rows) == 4 and all(" identical" in r for r in rows), proc.stdout
+    assert len(rows) == 3 and all(" identical" in r for r in rows), proc.stdout  # a kill outside a step: the
+    # framework tests' every-fault runs (suite time)
 
 
 def accum(out: Path, script: str, faults: str = "", *flags: str, workers: int = WORKERS) -> subprocess.CompletedProcess:

@@ -53,12 +53,12 @@ def uninterrupted(tmp_path_factory) -> dict[int, tuple]:
     return runs
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_two_and_three_workers_train_to_the_bits_of_four(tmp_path, uninterrupted, workers):
-    proc = run(tmp_path, workers)
+def test_two_workers_train_to_the_bits_of_four(tmp_path, uninterrupted):
+    """(Three workers: the shrink 4 -> 3 below ends at 3, and the blind trainer's test runs 3 against 4.)"""
+    proc = run(tmp_path, 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state, losses = result(tmp_path)
-    assert_identical(uninterrupted[3][0], state, f"{workers} workers")
+    assert_identical(uninterrupted[3][0], state, "2 workers")
     assert losses == uninterrupted[3][1]
 
 
