@@ -113,7 +113,7 @@ class JobView:
         rate = self.step_rate()
         return dict(generation=c.generation, formed=c.formed, job=c.job.value, worker_num=c.worker_num,
                     root_cause=c.root_cause, strategy=self.strategy, nodes=nodes, scheduler_pid=os.getpid(),
-                    uptime_s=round(now - self.started, 1), step=self.samples[-1][1] if self.samples else None,
+                    uptime_s=round(now - self.started, 1), step=self.job_step() if self.steps else None,
                     step_rate=round(rate, 3) if rate is not None else None, steps_done=self.steps_done,
                     spares={str(a): n for a, n in sorted(self.tail.spares.items())}, recoveries=self.recoveries(),
                     verdicts=self._verdicts,

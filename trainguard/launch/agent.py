@@ -125,7 +125,7 @@ class Supervisor:
                       f"max restarts {spec.max_restarts} ({spec.restart_rate.describe()}); "
                       f"{spares} hot spare{'s' * (spares != 1)}; "
                       f"recover strategy {spec.recover_strategy}; grace period {spec.grace_s:g} s; "
-                      f"recovery path {spec.recovery_path}")
+                      f"recovery path {spec.recovery_path or 'none'}")
             if spec.log_dir is not None:
                 spec.log_dir.mkdir(parents=True, exist_ok=True)
             if self.relay is not None:
