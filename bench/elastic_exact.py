@@ -44,6 +44,7 @@ def _worker(rank: int, world: int, port: int, args, shards: int, out: dict) -> N
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from trainguard.testing.leaving import leave_together
     from trainguard.train.parallel.exactsum import shard_range
     from trainguard.train.parallel.gradsync import GradSync
 
@@ -95,12 +96,7 @@ def _worker(rank: int, world: int, port: int, args, shards: int, out: dict) -> N
             times[kind].append((time.perf_counter() - t0) / args.steps)
     if rank == 0:
         out.update(times)
-    store.add("done", 1)
-    while int(store.add("done", 0)) < world:
-        time.sleep(0.01)
-    store.add("gone", 1)
-    while rank == 0 and int(store.add("gone", 0)) < world:
-        time.sleep(0.01)
+    leave_together(store, rank, world)
 
 
 def shrink_once(tmp: Path) -> tuple[float, float, float]:

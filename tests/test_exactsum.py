@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 from harness import free_port
 from torch import nn
 
+from trainguard.testing.leaving import leave_together
 from trainguard.train.parallel.exactsum import cover, fold, shard_range
 
 SHARDS = 12
@@ -59,8 +60,6 @@ PLAN = ((1, (True,)), (2, (True,)), (3, (True, False)), (4, (True, False)))  # w
 
 def _train(rank: int, world: int, port: int, out: str) -> None:
     """Every PLAN entry in one set of processes: a group of its first w ranks trains once per mode."""
-    import time
-
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -71,14 +70,7 @@ def _train(rank: int, world: int, port: int, out: str) -> None:
         groups.append(dist.new_group(list(range(w))))  # collective: every rank makes every group
         for exact in modes if rank < w else ():
             _train_once(rank, w, groups[-1], out, exact)
-    # nobody closes its gloo connections while a peer may still be in the last collective (gloo aborts a process
-    # whose peer closed mid-operation): leave through the store, the server (rank 0) last
-    store.add("done", 1)
-    while int(store.add("done", 0)) < world:
-        time.sleep(0.01)
-    store.add("gone", 1)
-    while rank == 0 and int(store.add("gone", 0)) < world:
-        time.sleep(0.01)
+    leave_together(store, rank, world)
 
 
 def _train_once(rank: int, world: int, group, out: str, exact: bool) -> None:
