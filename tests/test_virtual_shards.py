@@ -173,3 +173,16 @@ def test_a_trainer_written_blind_trains_to_the_same_bits_on_three_workers_with_a
     assert (proc.stdout + proc.stderr).count("trainguard: recovery ") == 1, proc.stderr[-3000:]
     assert "the script's own resume point" not in proc.stderr, proc.stderr[-3000:]
     assert_identical(outs[4], outs[3], "3 workers, a kill")
+
+
+def test_verify_kills_a_loop_numbered_from_1_at_its_real_epoch_end(tmp_path):
+    """`trainguard verify`'s epoch-end fault on tests/jobs/vshards_blind.py (`start_epoch(1)`, 15 steps an epoch on 12
+    shards of 8 samples): the kill lands right after step 15, and the run is identical. (It landed after step 1,
+    taking the loop's first epoch, 1, for an epoch already ended.)"""
+    cmd = [sys.executable, "-m", "trainguard", "verify", "--steps", "20", "--workers", "3", "--virtual-shards", SHARDS,
+           "--faults", "epoch-end", "--keep", str(tmp_path), str(REPO / "tests" / "jobs" / "vshards_blind.py"),
+           "--epochs", "2", "--out", "out.pt"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(TG_EXACT=""), capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "right after step 15, the first epoch's last" in proc.stdout, proc.stdout[-3000:]
+    assert "every run is identical to the one without a fault" in proc.stdout, proc.stdout[-3000:]

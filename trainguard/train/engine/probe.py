@@ -26,6 +26,7 @@ _digests: dict[int, str] = {}  # committed step -> digest, in this process (a re
 _facts: dict = {"epoch_end": None, "outside": None}
 _in_step = [False]
 _installed = [False]
+_first_epoch: list[int | None] = [None]  # the epoch of the run's first step: 0, or 1 for a loop numbered from 1
 
 
 def digest(obj) -> str:
@@ -94,7 +95,9 @@ class VerifyProbe(Callback):
     def on_step_end(self, session) -> None:
         _in_step[0] = False
         state = in_run_dir(session.state.capture_shared(), os.getcwd())
-        if session.epoch >= 1 and _facts["epoch_end"] is None:
+        if _first_epoch[0] is None:
+            _first_epoch[0] = session.epoch
+        if session.epoch > _first_epoch[0] and _facts["epoch_end"] is None:
             _facts["epoch_end"] = max((s for s in _digests if s < session.step), default=None)  # the epoch's last
         _digests[session.step] = digest(state)
         if session.step < self.steps:
