@@ -27,23 +27,18 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 1 << 16  # a float64's bits travel as four pieces below this
-PIECES = 4
+PIECES = 4  # a float64's bits travel as four 16-bit integers, which a float32 or float64 bucket holds exactly
 
 
 def encode_float64(values: torch.Tensor) -> torch.Tensor:
-    """Float64 values as 16-bit pieces, low first, as int64 in 0..65535 (pure): four per value."""
-    bits = values.contiguous().view(torch.int64)
-    pieces = torch.stack([(bits >> (16 * k)) & (CHUNK - 1) for k in range(PIECES)], dim=-1)
-    return pieces.reshape(*values.shape[:-1], -1)
+    """Float64 values as their bits in signed 16-bit pieces, in memory order (pure): four per value, each in
+    -32768..32767. One view, no arithmetic: the bits are the same on every rank of a job (one byte order)."""
+    return values.to(torch.float64).contiguous().view(torch.int16)
 
 
 def decode_float64(pieces: torch.Tensor) -> torch.Tensor:
     """The inverse of `encode_float64` (pure); `pieces` may be any dtype holding the integers exactly."""
-    p = pieces.round().to(torch.int64).reshape(*pieces.shape[:-1], -1, PIECES)
-    top = torch.where(p[..., 3] >= CHUNK // 2, p[..., 3] - CHUNK, p[..., 3])  # the sign lives in the top piece
-    bits = p[..., 0] + p[..., 1] * CHUNK + p[..., 2] * CHUNK ** 2 + top * CHUNK ** 3
-    return bits.view(torch.float64)
+    return pieces.round().to(torch.int16).contiguous().view(torch.float64)
 
 
 class RankRows:
@@ -60,7 +55,7 @@ class RankRows:
 
     def send(self, vector: torch.Tensor) -> None:
         """This rank's numbers (float64, `capacity` of them) for the next exchange."""
-        self._pending = encode_float64(vector.to(torch.float64).reshape(1, -1)).reshape(-1)
+        self._pending = encode_float64(vector.reshape(-1))
         self.rows = None
 
     def slots(self, dtype: torch.dtype, device: torch.device, world: int) -> int | None:
