@@ -1,6 +1,6 @@
 """A digits classifier written as people write them (BatchNorm, dropout, SGD with momentum, an LR scheduler stepped
-per step, an eval pass per epoch), its step split into the virtual shards this rank holds
-(tests/test_virtual_shards.py). Under `--virtual-shards 12` it must train to the same bits on 2, 3 and 4 workers.
+per step, an eval pass per epoch, noise drawn in the loop before each forward), its step split into the virtual
+shards this rank holds (tests/test_virtual_shards.py). Under `--virtual-shards 12` it must train to the same bits on 2, 3 and 4 workers.
 
 --out DIR: rank 0 writes the final model, optimizer and scheduler state to DIR/final.pt, and each step's
 summed loss over the shards (all-reduced in float64: exact for 12 float32 losses of one magnitude) to DIR/losses.jsonl.
@@ -78,6 +78,7 @@ for epoch in range(tg.start_epoch(), args.epochs):
         optimizer.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
         for xs, ts in ([(x, t)] if args.no_split else tg.micro_batches(x, t)):  # a forward and backward a shard
+            xs = xs + 0.01 * torch.randn_like(xs)  # noise drawn in the loop, between the shards' forwards
             loss = F.cross_entropy(model(xs), ts)
             loss.backward()
             total += loss.detach().double()

@@ -89,7 +89,17 @@ def micro_batches(*batch):
     n = len(here) if here is not None else 1
     for i in range(n):
         part = [_part(x, i, n) for x in batch]
+        if here is not None:
+            _shard_draws(here[i])
         yield part[0] if len(part) == 1 else tuple(part)
+
+
+def _shard_draws(shard: int) -> None:
+    """What the loop draws between handing out a shard's micro-batch and its forward (noise, a mixup of the
+    micro-batch) is the shard's, the same at every world size (train/state/streams.py)."""
+    guard = guard_mod.active()
+    if guard is not None and guard.session is not None:
+        guard.session.streams.shard_batch(guard.session.step, shard)
 
 
 def shards_here() -> range | None:

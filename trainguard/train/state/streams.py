@@ -17,6 +17,9 @@ The points (`k` = committed steps before the step; `m` = its training forwards s
 - the training loader (trainguard's, or a framework's) fetches a batch (each `next()` on its pass): key
   ``fetch/L/e/j`` for loader ``L``'s ``j``-th batch of its pass over epoch ``e``; before the first commit (the
   training loader not known yet) every pass of a trainguard loader is keyed so;
+- under virtual shards (`--virtual-shards`), keyed by the shard ``s`` instead of the rank, so a shard draws the same
+  numbers at every world size: `trainguard.micro_batches` hands out ``s``'s micro-batch: key ``shard/s/k/batch``;
+  ``s``'s training forward begins: key ``shard/s/k``;
 - a restore to committed step ``c`` sets the streams as the end of step ``c``'s last training forward left
   them: key ``c-1/M`` (``M``, that step's forwards, travels with the state), or ``c/c`` where the step had
   none; a fresh start (``c`` = 0): key ``start``.
@@ -117,6 +120,12 @@ class Streams:
         on whichever rank and world it runs (train/parallel/exactsum.py)."""
         if self.seed is not None:
             seed_streams(key_seed(self.seed, 0, f"shard/{shard}/{step}"))
+
+    def shard_batch(self, step: int, shard: int) -> None:
+        """Under virtual shards, `trainguard.micro_batches` hands out `shard`'s micro-batch: what the loop draws
+        before its forward is the shard's too (another key than the forward's, so the two do not repeat each other)."""
+        if self.seed is not None:
+            seed_streams(key_seed(self.seed, 0, f"shard/{shard}/{step}/batch"))
 
     def forward_done(self, step: int) -> None:
         self.forwards += 1
