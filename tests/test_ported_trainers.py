@@ -225,6 +225,20 @@ def test_a_sum_over_the_epochs_batches_after_a_resume_at_its_end_ends_the_job_at
     assert proc.stderr.count("restarting worker") == 1 and "giving up" not in proc.stderr  # only the killed one
 
 
+def test_an_error_one_rank_raises_again_after_the_resume_it_follows_ends_the_job_at_once_naming_it(tmp_path):
+    """A blind DDP trainer's shape: rank 0 alone prints the epoch's last `loss` after the loop. A kill right after the
+    epoch's last step sends every rank back there, the loop takes no batch, and rank 0 alone raises NameError. Before,
+    that was a fault each time: a crash loop of rank 0 (four restarts), and the root cause named the kill. Now the
+    first time is recovered as a fault, and the same error at the same step once more ends the job, exit 78, naming
+    it and why."""
+    proc = run("prefetch.py", tmp_path, ["--last-loss", "--epochs", "2"], faults="1:12:kill")
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "NameError: name 'loss' is not defined" in proc.stderr
+    assert "rank 0 raised it again at step 12, where it raised it before the job recovered" in proc.stderr
+    assert "resumed after epoch 0's last batch" in proc.stderr
+    assert proc.stderr.count("restarting worker") == 2 and "giving up" not in proc.stderr  # the kill, the first error
+
+
 def test_an_imagenet_style_trainer_written_blind_is_bit_identical_after_kills_and_a_sigterm(tmp_path):
     original, port = ((JOBS / name).read_text().split('"""', 2)[2] for name in ("imagenet_style_torchrun.py",
                                                                               "imagenet_style.py"))

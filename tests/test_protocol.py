@@ -221,3 +221,22 @@ def test_unknown_or_missing_type_is_refused(obj):
     assert "ValidationError" not in msg and "(:" not in msg, msg
     if isinstance(obj, dict) and "type" in obj:
         assert "'shutdown'" in msg and "'register'" in msg  # names the bad tag and the known ones
+
+
+def test_an_error_raised_again_at_the_same_step_in_a_later_generation_is_deterministic():
+    from trainguard.control.decisions import decide_agreement, raised_again
+    from trainguard.control.reports import ErrorReport
+
+    raised = {("builtins.NameError at train.py:9", 12): (0, 2)}  # rank 0 raised it at step 12 in generation 2
+    again = raised_again(raised, ErrorReport(signature="builtins.NameError at train.py:9", step=12), 0, 3)
+    assert again is not None and again.same
+    assert again.reason == ("rank 0 raised it again at step 12, where it raised it before the job recovered and resumed "
+                            "there")
+    other = raised_again(raised, ErrorReport(signature="builtins.NameError at train.py:9", step=12), 2, 4)
+    assert other is not None and other.reason.startswith("rank 2 raised it again at step 12, where rank 0 raised it")
+    assert raised_again(raised, ErrorReport(signature="builtins.NameError at train.py:9", step=12), 1, 2) is None  # the
+    # same generation: two ranks raising together are the vote's to judge, not a repeat
+    assert raised_again(raised, ErrorReport(signature="builtins.NameError at train.py:9", step=13), 0, 3) is None
+    assert raised_again(raised, ErrorReport(signature="builtins.KeyError at train.py:9", step=12), 0, 3) is None
+    vote = decide_agreement("error", {0: ErrorReport(signature="s", step=4), 1: ErrorReport(signature="s", step=4)})
+    assert vote.same and vote.reason == "every rank raised it at the same step"

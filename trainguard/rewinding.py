@@ -14,7 +14,7 @@ from typing import Callable
 
 _handler: Callable[[BaseException], bool] | None = None
 _at_end: Callable[[], bool] | None = None
-_same_everywhere: Callable[[str], bool] | None = None
+_same_everywhere: Callable[[str], str] | None = None
 _holding: Callable[[], bool] | None = None
 _context: Callable[[], str] | None = None
 _available = False
@@ -48,8 +48,8 @@ def rewind(exc: BaseException) -> bool:
     return _available and _handler is not None and _handler(exc)
 
 
-def set_error_vote(vote: Callable[[str], bool] | None) -> None:
-    """`vote(signature)`: True if every rank of the job raised an error with this signature at the same step."""
+def set_error_vote(vote: Callable[[str], str] | None) -> None:
+    """`vote(signature)`: why an error with this signature is deterministic (`raised_everywhere`), or ""."""
     global _same_everywhere
     _same_everywhere = vote
 
@@ -64,9 +64,10 @@ def error_context() -> str:
     return _context() if _context is not None else ""
 
 
-def raised_everywhere(signature: str) -> bool:
-    """The script's error was raised by every rank at the same point: a restart would raise it again."""
-    return _same_everywhere is not None and _same_everywhere(signature)
+def raised_everywhere(signature: str) -> str:
+    """Why the script's error is deterministic (every rank raised it at the same point, or it was raised there again
+    after the job resumed): a restart would raise it again. "" if it is not known to be."""
+    return _same_everywhere(signature) if _same_everywhere is not None else ""
 
 
 def again_at_end() -> bool:

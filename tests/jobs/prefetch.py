@@ -63,6 +63,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--accum", type=int, default=1)
 parser.add_argument("--shape", choices=["during", "ahead", "concat"], default="during")
+parser.add_argument("--last-loss", action="store_true", help="rank 0 prints the epoch's last loss after the loop, "
+                    "as people do (`loss.item()`), an error only rank 0 meets after a resume at an epoch's end")
 parser.add_argument("--sum-loss", action="store_true", help="print the epoch's loss summed as run_clm_no_trainer does "
                     "(`total_loss = 0`, `total_loss += loss.detach()`, `total_loss.item()` after the loop)")
 args = parser.parse_args()
@@ -132,6 +134,8 @@ for epoch in range(tg.start_epoch(), args.epochs):
     sched.step()
     if args.sum_loss:
         print(f"epoch {epoch}: train loss {total_loss.item() / len(loader)}", flush=True)
+    if args.last_loss and dist.get_rank() == 0:
+        print(f"epoch {epoch}: last loss {loss.item()}", flush=True)
     if dist.get_rank() == 0:
         print(f"epoch {epoch}: {len(losses)} steps", flush=True)
 dist.destroy_process_group()

@@ -9,7 +9,7 @@ from .outcomes import (
     RestoreDecision,
     failed_restore,
 )
-from .reports import Report, RestoreReport, ShardedRestoreReport
+from .reports import ErrorReport, Report, RestoreReport, ShardedRestoreReport
 from .restore_plan import choose_restore
 from .shard_plan import choose_sharded_restore
 
@@ -21,11 +21,28 @@ def decide_agreement(purpose: str, reports: dict[int, Report], known_step: int =
         return decide_restore(reports, known_step)  # type: ignore[arg-type]
     if purpose == "error":
         found = {(r.signature, r.step) for r in reports.values()}  # type: ignore[union-attr]
-        return ErrorDecision(same=len(found) == 1, signatures=sorted(s for s, _ in found)[:8])
+        return ErrorDecision(same=len(found) == 1, signatures=sorted(s for s, _ in found)[:8],
+                             reason="every rank raised it at the same step")
     if purpose == "finish":
         steps = {r.step for r in reports.values()}
         return FinishDecision(ok=len(steps) == 1, steps=sorted(steps))
     raise AssertionError(purpose)
+
+
+def raised_again(raised: dict[tuple[str, int], tuple[int, int]], report: ErrorReport, rank: int,
+                 generation: int) -> ErrorDecision | None:
+    """A rank's script raised `report`'s error in `generation`. `raised`: (signature, step) -> (rank, generation) of
+    its first raise in the job. The same error at the same step in a later generation, after the job recovered and
+    resumed there, is deterministic: a bug that the resumed run reaches (a variable set only inside the loop, read
+    after it when a resume leaves the loop nothing to do). The first time, raised by one rank alone (the others wait
+    in a collective, so the vote on it cannot complete), it is a fault, recovered as any other. Pure."""
+    earlier = raised.get((report.signature, report.step))
+    if earlier is None or earlier[1] >= generation:
+        return None
+    who = "it" if earlier[0] == rank else f"rank {earlier[0]}"
+    return ErrorDecision(same=True, signatures=[report.signature], reason=(
+        f"rank {rank} raised it again at step {report.step}, where {who} raised it before the job recovered and "
+        "resumed there"))
 
 
 def decide_restore(reports: dict[int, RestoreReport], known_step: int = 0) -> RestoreDecision:

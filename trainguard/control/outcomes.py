@@ -102,11 +102,13 @@ def failed_restore(error: str, from_step: int | None) -> RestoreDecision:
 
 
 class ErrorDecision(Msg):
-    """Every rank raised: the same error at the same step is deterministic (the job ends at once)."""
+    """Every rank raised the same error at the same step, or a rank raised again what a rank raised at the same step
+    before the job resumed there: deterministic, the job ends at once. `reason` says which, for the error's line."""
 
     purpose: Literal["error"] = "error"
     same: bool
     signatures: list[Annotated[str, Field(max_length=1024)]] = Field(max_length=8)
+    reason: Annotated[str, Field(max_length=300)] = ""
 
 
 class FinishDecision(Msg):

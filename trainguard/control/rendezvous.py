@@ -15,11 +15,12 @@ from . import formation as fm
 from . import membership as m
 from . import protocol as p
 from .core import SchedulerCore
-from .decisions import decide_agreement
+from .decisions import decide_agreement, raised_again
 from .outcomes import Decided, FinishDecision, RestoreDecision
-from .reports import Report
+from .reports import ErrorReport, Report
 
 log = logging.getLogger("trainguard.scheduler")
+MAX_RAISED = 1024  # script errors remembered, to tell one raised again at the same step (decisions.raised_again)
 
 
 class Rendezvous:
@@ -28,6 +29,7 @@ class Rendezvous:
         self._agreements: dict[tuple[int, str], dict[int, Report]] = {}
         self._decisions: dict[tuple[int, str], Decided] = {}
         self._known_step = 0  # the newest step a restore decision named (the heartbeats tell the rest)
+        self._raised: dict[tuple[str, int], tuple[int, int]] = {}  # an error's (signature, step): (rank, generation)
 
     async def on_join(self, req: p.Join):
         core = self.core
@@ -92,6 +94,13 @@ class Rendezvous:
         key = (req.generation, req.purpose)
         fenced = p.Error(code=p.ErrorCode.FENCED, retry=True, message=(
             f"generation {req.generation} is over (now {c.generation}); rejoin"))
+        if isinstance(req.payload, ErrorReport):  # before the fence: a rank that raised alone is often fenced (its
+            # peers' failed collectives moved the job on), and its error still counts
+            if (again := raised_again(self._raised, req.payload, node.rank, req.generation)) is not None:
+                log.error("rank %d: %s: %s", node.rank, req.payload.signature, again.reason)
+                return p.Agreed(decision=again)
+            if len(self._raised) < MAX_RAISED:  # members only (authenticated): bounded all the same
+                self._raised.setdefault((req.payload.signature, req.payload.step), (node.rank, req.generation))
         if req.generation != c.generation or not c.formed:
             return fenced
         got = self._agreements.setdefault(key, {})

@@ -21,6 +21,9 @@ Deterministic means by type, never by message text:
 - Any other error that every rank of the job raises at the same step, from the same line: the ranks
   compare their errors through the scheduler (`Runtime.raised_everywhere`, at most 30 s; a rank
   that alone fails cuts its group first, so its peers regroup and end the vote at once).
+- An error one rank raises alone, raised again at the same step from the same line after the job
+  recovered from it and resumed there (the scheduler remembers each error's line and step): the
+  first time it is taken for a fault, the second ends the job (control/decisions.py, `raised_again`).
 
 An error wrapped in another type (`raise RuntimeError(...) from exc`) is classified by the outer type.
 
@@ -177,9 +180,9 @@ def _fail(script: str, exc: BaseException) -> NoReturn:
     if framework is not None:  # a framework trainguard does not run live: every restart would fail alike
         line = f"{explain(framework)} (the error: {line})"
     elif not is_deterministic(exc):
-        if not rewinding.raised_everywhere(signature(exc)):
+        if not (why := rewinding.raised_everywhere(signature(exc))):
             raise SystemExit(1) from None
-        line += " (every rank raised it at the same step)"
+        line += f" ({why})"
     if context := rewinding.error_context():
         line += f"; {context}"
     print(DETERMINISTIC_MARK + line, file=sys.stderr, flush=True)

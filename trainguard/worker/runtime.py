@@ -232,20 +232,20 @@ class Runtime:
         except ClusterFailed as exc:  # the job ended on a verdict about the script (a desync): the reply says which
             self.verdict = exc.verdict or 0
 
-    def raised_everywhere(self, signature: str) -> bool:
-        """This rank's script raised an error with `signature`: did every rank of the generation raise the same,
-        at the same step? The group is cut first, so a peer blocked with us fails, regroups and fences this
-        question (False) instead of waiting; at most ERROR_VOTE_S."""
+    def raised_everywhere(self, signature: str) -> str:
+        """This rank's script raised an error with `signature`: why it is deterministic (every rank raised it at
+        this step, or a rank raised it here before the job resumed here), or "". The group is cut first, so a
+        peer blocked with us fails, regroups and fences this question ("") instead of waiting; ERROR_VOTE_S."""
         if self.finished or self.group is None or self.world_size < 2:  # alone, every error looks the same
-            return False
+            return ""
         self.drop_group()
         try:
             decision = self.client.agree(self.generation, "error",
                                          ErrorReport(signature=signature[:300], step=self.step), ERROR_VOTE_S)
         except (TrainguardError, OSError) as exc:
             log.info("rank %d: the error vote ended without a decision (%s)", self.rank, exc)
-            return False
-        return isinstance(decision, ErrorDecision) and decision.same
+            return ""
+        return decision.reason if isinstance(decision, ErrorDecision) and decision.same else ""
 
     def membership_changed(self) -> bool:
         """True when the scheduler has moved past our generation (seen by the heartbeat)."""
