@@ -67,12 +67,17 @@ def test_a_script_with_state_of_its_own_is_named_with_its_first_differing_step_a
 def test_a_generator_of_the_scripts_own_drawn_at_every_step_is_exact(tmp_path):
     """The same trainer drawing each step's batch from its own torch.Generator (OWN_DRAW=generator): trainguard keys
     the script's generators at every commit, so the replayed steps draw the batches they drew the first time (it
-    used to differ from the step the job went back to, as the iterator does)."""
+    used to differ from the step the job went back to, as the iterator does). The epoch-end fault asked for does not
+    come within 6 steps: verify says so and exits 1 (it used to end "every run is identical", exit 0: a blind port's
+    finding)."""
     proc = subprocess.run([sys.executable, "-m", "trainguard", "verify", "--steps", "6", "--faults",
-                           "mid-step", "--workers", "3", "tests/jobs/own_generator.py", str(tmp_path / "o")],
+                           "mid-step,epoch-end", "--workers", "3", "tests/jobs/own_generator.py", str(tmp_path / "o")],
                           cwd=REPO, env=env(OWN_DRAW="generator"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "every run is identical to the one without a fault" in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "  kill -9 in a step: identical" in proc.stdout, proc.stdout[-3000:]
+    assert "not run: epoch-end (no epoch ended within 6 steps)" in proc.stdout
+    assert "NOT verified: epoch-end asked for and not run; give a larger --steps" in proc.stdout
+    assert "every run is identical" not in proc.stdout
 
 
 def test_bad_flags_are_refused_before_anything_runs():
