@@ -4,8 +4,8 @@ a CNN with BatchNorm and dropout, SGD with momentum and a StepLR per epoch, a tr
 and validation metrics synced across ranks, ModelCheckpoint on the validation loss, LearningRateMonitor, a CSV
 logger, `seed_everything`), changed in 2 lines: the import and the Trainer's strategy. 3 ranks, real processes:
 `trainguard verify` kills rank 1 in a training step, inside the first epoch's validation (the metric's all_reduce as
-the validation ends), right after the epoch's last step, kills the scheduler, and SIGTERMs then runs the same
-command again. Every tensor of every rank's model, optimizer, scheduler and Lightning's bookkeeping (its loops'
+the validation ends), right after ModelCheckpoint saved that epoch's checkpoint, in the second epoch's steps and
+right after the epoch's last step, and SIGTERMs then runs the same command again. Every tensor of every rank's model, optimizer, scheduler and Lightning's bookkeeping (its loops'
 progress, ModelCheckpoint's state, every rank's logged values) is `torch.equal` to the run without a fault, and rank
 0 prints the same epoch lines (their training loss is the mean of every rank's accumulated values, the replacement's
 included). Each verify run goes to step 24 (15 a epoch); two whole runs, with and without a kill in the last
@@ -35,6 +35,9 @@ WORKERS, EPOCHS, STEPS = 3, 2, 24
 # rank 1's all_reduce calls: 7 before training (the sanity check's), one per step (the training loss logged on step),
 # then 4 as the first epoch's validation ends (two metrics, each a value and a count): #23 is the first of those
 IN_VALIDATION = "at:all_reduce:23"
+# #30: right after ModelCheckpoint saved epoch 0's checkpoint (the run after the fault saves it again: Lightning's
+# version counter named it `-v1`); #36: in epoch 1's steps (ModelCheckpoint's `current_score` was left None)
+AFTER_SAVE, IN_EPOCH_1 = "at:all_reduce:30", "at:all_reduce:36"
 LINE = re.compile(r"epoch \d+: (train|val)_.*")
 
 
@@ -67,10 +70,10 @@ def test_fsdp2_through_the_model_parallel_strategy_recovers_bit_identically_in_o
 
 
 def test_every_fault_is_bit_identical_on_every_rank_with_the_same_epoch_lines(tmp_path):
-    proc = verify(tmp_path, f"mid-step,{IN_VALIDATION},epoch-end,sigterm")  # the scheduler's kill: framework-blind,
-    # tested with plain loops (tests/test_seed_flow.py, tests/test_recovery.py, tests/test_pipeline.py)
+    proc = verify(tmp_path, f"mid-step,{IN_VALIDATION},epoch-end,sigterm,{AFTER_SAVE},{IN_EPOCH_1}")  # the
+    # scheduler's kill: framework-blind, tested with plain loops (test_seed_flow.py, test_recovery.py, test_pipeline.py)
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("kill -9", "SIGTERM"))]
-    assert len(rows) == 4 and all(" identical" in r for r in rows), proc.stdout
+    assert len(rows) == 6 and all(" identical" in r for r in rows), proc.stdout
     where = (tmp_path / "at-all_reduce-23" / "launcher.log").read_text()
     assert "rank 0: back to step 15 (CollectiveFailed: all_reduce" in where, where[-3000:]  # after the epoch's last
     assert "the training loader resumed at batch" in (tmp_path / "mid-step" / "launcher.log").read_text()

@@ -168,8 +168,9 @@ class _JobStrategy:
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ConfigError("this LightningModule uses manual optimization (automatic_optimization = False), which "
-                              "trainguard.compat.lightning does not cover: use automatic optimization, or train "
-                              "with trainguard's wrappers (docs/porting.md)")
+                              "trainguard.compat.lightning does not cover: use automatic optimization (one optimizer: "
+                              "its parameter groups can hold what several held), or write the loop yourself with "
+                              "trainguard's wrappers (README, 'Keep your own loop')")
         if len(self.optimizers) != 1:
             raise ConfigError(f"configure_optimizers() returned {len(self.optimizers)} optimizers; trainguard "
                               "supports one: combine the parameter groups into one optimizer")

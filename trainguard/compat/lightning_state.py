@@ -21,6 +21,8 @@ The private names of Lightning this uses are listed in `NEEDS` and checked at im
 from __future__ import annotations
 
 import copy
+import os
+import time
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -29,6 +31,7 @@ from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 
+from ..checkpoint.codec import WALLCLOCK
 from ..errors import ConfigError
 from ..train.data import loaders
 from ..train.parallel.ddp import DataParallel
@@ -136,6 +139,7 @@ class Book:
             "should_stop": bool(trainer.should_stop),
             "first_loop_iter": connector._first_loop_iter,
             "current_fx": connector._current_fx,
+            WALLCLOCK: time.time(),  # files written after it and before a restore are the failed run's (below)
             "ranks": self.ranks or {},
         }
         self.ranks = None
@@ -209,6 +213,11 @@ class Book:
                 if any(cb is placed for placed in self.strategy.placed_checkpoints) and "dirpath" in state:
                     cb.dirpath = state["dirpath"]  # the job's folder, not this run's logger version's (see below)
                 cb.load_state_dict(state)
+                if "current_score" in state and hasattr(cb, "current_score"):  # in ModelCheckpoint's state_dict, left
+                    cb.current_score = state["current_score"]  # out of its load_state_dict (Lightning 2.6)
+        for cb in trainer.checkpoint_callbacks:
+            if hasattr(cb, "file_exists") and WALLCLOCK in saved:
+                cb.file_exists = _ExistedBefore(cb.file_exists, saved[WALLCLOCK], time.time())
         if trainer.datamodule is not None and saved["datamodule"]:
             trainer.datamodule.load_state_dict(copy.deepcopy(saved["datamodule"]))
         trainer.should_stop = saved["should_stop"]
@@ -267,3 +276,23 @@ class Book:
                 break
             finally:
                 done()
+
+
+class _ExistedBefore:
+    """A ModelCheckpoint's `file_exists` after a restore: a checkpoint file the failed run wrote after the committed
+    update and before the restore does not count as there. The run after the restore saves the same step's
+    checkpoint again, under the name the run without a fault gave it, where Lightning's version counter would
+    add `-v1` (a blind port's kill in the validation at an epoch's end: `epoch=0-step=15-v1.ckpt` in best_k_models).
+    Rank 0 decides and every rank follows (Lightning's own reduce, one collective as before); a file on a remote
+    filesystem (a URL) is left to Lightning."""
+
+    def __init__(self, lightnings, committed: float, restored: float) -> None:
+        self.lightnings, self.committed, self.restored = lightnings, committed, restored
+
+    def __call__(self, filepath, trainer) -> bool:
+        path = os.fspath(filepath)
+        if "://" in path:
+            return self.lightnings(filepath, trainer)
+        there = trainer.is_global_zero and os.path.exists(path) and not (
+            self.committed <= os.path.getmtime(path) < self.restored)
+        return trainer.strategy.reduce_boolean_decision(there, all=False)
