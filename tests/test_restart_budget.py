@@ -39,7 +39,7 @@ def test_a_crash_loop_is_n_restarts_within_the_window() -> None:
     assert rate.crash_loop([], 0.0) == ""
     assert rate.crash_loop([10.0, 20.0], 25.0) == ""  # 2 of 3
     why = rate.crash_loop([10.0, 20.0, 30.0], 31.0)
-    assert why == "crash loop: it failed again after 3 restarts in 21 s (--restart-limit 3 per --restart-window 100 s)"
+    assert why == "crash loop: it failed again after 3 restarts of its own in 21 s (--restart-limit 3 per --restart-window 100 s)"
     assert rate.crash_loop([10.0, 20.0, 30.0], 110.0) == ""  # the first slid out of the window
     assert rate.crash_loop([10.0, 20.0, 30.0, 105.0], 110.0) != ""  # ... and another came in
 
@@ -146,5 +146,5 @@ def test_a_crash_loop_ends_the_job_with_the_defaults(tmp_path: Path) -> None:
         assert f"[agent] restarting worker 0 (restart {n}/32767)" in err
     assert "restart 4/" not in err and proc.stdout.count("[worker 0] started") == 4
     summary = err[err.index("trainguard: giving up after 3 restarts; root cause: worker 0 (pid "):]
-    assert "  worker 0: crash loop: it failed again after 3 restarts in " in summary
+    assert "  worker 0: crash loop: it failed again after 3 restarts of its own in " in summary
     assert "--restart-limit N / --restart-window SECONDS" in summary

@@ -56,7 +56,7 @@ class RestartRate:
         n = len(recent)
         if n < self.limit:
             return ""
-        return (f"crash loop: it failed again after {n} restart{'s' * (n != 1)} in {now - min(recent):.0f} s "
+        return (f"crash loop: it failed again after {n} restart{'s' * (n != 1)} of its own in {now - min(recent):.0f} s "
                 f"(--restart-limit {self.limit} per --restart-window {self.window_s:g} s)")
 
     def describe(self) -> str:
