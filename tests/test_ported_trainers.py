@@ -239,6 +239,19 @@ def test_an_error_one_rank_raises_again_after_the_resume_it_follows_ends_the_job
     assert proc.stderr.count("restarting worker") == 2 and "giving up" not in proc.stderr  # the kill, the first error
 
 
+def test_a_kill_inside_an_eval_at_the_top_of_the_loop_that_stepped_a_plateau_scheduler_is_bit_identical(tmp_path):
+    """tests/jobs/plateau_eval.py: rank 1 killed at the broadcast of step 21's eval, after ReduceLROnPlateau stepped on
+    the validation loss and the early-stop record changed. The survivors go back to step 21 and run the eval again:
+    they must take back the scheduler and the record as the step began (before, they kept the eval's moves and made
+    them twice: "differs from step 22: scheduler.last_epoch", the LR halved early in a whole run, exit 0)."""
+    cmd = [sys.executable, "-m", "trainguard", "verify", "--steps", "40", "--keep", str(tmp_path), "--workers",
+           str(WORKERS), "--faults", "at:broadcast:20", str(JOBS / "plateau_eval.py"), "--epochs", "6", "--out", "out.pt"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(TG_EXACT=""), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "kill -9 at a collective (rank 1)  broadcast #20" in proc.stdout and "every run is identical" in proc.stdout
+    assert "back to step 21" in (tmp_path / "at-broadcast-20" / "launcher.log").read_text()  # inside that eval
+
+
 def test_an_imagenet_style_trainer_written_blind_is_bit_identical_after_kills_and_a_sigterm(tmp_path):
     original, port = ((JOBS / name).read_text().split('"""', 2)[2] for name in ("imagenet_style_torchrun.py",
                                                                               "imagenet_style.py"))

@@ -8,7 +8,9 @@ epoch's pass (the others had not) never makes the ranks resume at different posi
 
 When the pass over the committed epoch ends, the code after it runs (a scheduler stepped per epoch, an eval, a
 save). A job that comes back to that position runs that code again, so what it takes is the hyperparameters
-as the pass's end left them (`end_state`, until the next commit).
+as the pass's end left them (`end_state`, until the next commit). The same within a step: what the loop body
+moves before the update runs again after a fault in the step, so what a rank takes back is the hyperparameters
+as the step began (`step_state`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Passes:
         self.label: int | None = None  # set_epoch() of the current epoch's pass, once one began
         self.ended = False  # the pass over the current epoch ran to its end in this process
         self.end_state: dict | None = None  # TrainState.hyperparameters() at that end, until the next commit
+        self.step_state: dict | None = None  # the same as the step in flight began, until it commits
         self.committed: tuple[int, int, int | None] = (0, 0, None)  # (epoch, in_epoch, label) at the last commit
         self.ahead = 0  # and the batch its step took ahead (train/engine/batches.py), which travels with it
         self.begun_at_end = False  # a restored position's pass began at its end: the loop took no batch since
@@ -45,10 +48,24 @@ class Passes:
         was none) ends at this commit: the code after it starts from the hyperparameters as they are now."""
         self.committed, self.ahead, self.begun_at_end = (epoch, in_epoch, self.label), ahead, False
         self.end_state = state.hyperparameters() if self.ended and state is not None else None
+        self.step_state = None
+
+    def begin_step(self, state) -> None:
+        """A step begins: the hyperparameters as the committed step's code left them. What the loop body moves
+        before the update (a scheduler stepped on an eval's loss at the top of the body, where the docs put an
+        eval) runs again after a fault in it, so a rank that goes back to the committed position gives up those
+        moves: it keeps, serves and saves these (a blind trainer's ReduceLROnPlateau stepped twice)."""
+        if self.end_state is None and state is not None:
+            self.step_state = state.hyperparameters()
+
+    @property
+    def held(self) -> dict | None:
+        """The hyperparameters of the committed position, where the script has moved them on since; else None."""
+        return self.end_state if self.end_state is not None else self.step_state
 
     def restore(self, label: int | None) -> None:
         """A restored position's pass, as its label; it has not ended in this process."""
-        self.label, self.ended, self.end_state = label, False, None
+        self.label, self.ended, self.end_state, self.step_state = label, False, None, None
 
     def roll(self) -> None:
         """The next epoch's pass begins: its label is unknown until its loader starts."""

@@ -233,8 +233,8 @@ class Session:
 
     def begin_step(self, batch=None) -> Step:
         step = Step(self.is_retriable, self.step, self.epoch, self.in_epoch, batch)
-        self._applied = False
-        self.rt.step = self.step
+        self._applied, self.rt.step = False, self.step
+        self.passes.begin_step(self.state)  # what the body moves before the update runs again after a fault in it
         for cb in self.callbacks:
             if hasattr(cb, "on_step_begin"):
                 cb.on_step_begin(self, step)
@@ -327,7 +327,7 @@ class Session:
     def capture(self) -> Snapshot:
         """A private copy of the committed state, for a checkpoint (the copy is all an async save blocks on).
         Data-parallel ranks hold the same state and progress, so every rank's part is the same."""
-        tensors, meta = flatten_state(self.state.capture_shared(self.passes.end_state), copy=True)
+        tensors, meta = flatten_state(self.state.capture_shared(self.passes.held), copy=True)
         own = pack(self.own())
         return Snapshot(self.step, tensors, meta, own, ranks=dict.fromkeys(range(self.rt.world_size), own))
 
@@ -344,11 +344,11 @@ class Session:
 
     def pack_live(self) -> bytes:
         """This rank's committed state, as sent to a peer (and kept across a rewind)."""
-        return pack({"shared": self.state.capture_shared(self.passes.end_state), "own": self.own()})
+        return pack({"shared": self.state.capture_shared(self.passes.held), "own": self.own()})
 
     def flat_live(self) -> tuple[dict, dict]:
         """`pack_live`'s content flattened, its tensors the live ones (an in-memory copy clones them)."""
-        return flatten_state({"shared": self.state.capture_shared(self.passes.end_state), "own": self.own()}, copy=False)
+        return flatten_state({"shared": self.state.capture_shared(self.passes.held), "own": self.own()}, copy=False)
 
     def take_blob(self, blob: bytes, what: str) -> None:
         """Load a committed state packed by `pack_live` (a peer's, a kept one, an in-memory copy)."""
