@@ -68,6 +68,13 @@ def test_an_unported_script_that_runs_is_told_it_is_not_protected(tmp_path):
     assert "WARNING: the script's optimizer" not in ported.stderr, ported.stderr[-3000:]
 
 
+def test_a_wrapped_optimizer_stepped_by_torchs_state_dict_helpers_before_the_loop_is_not_called_unprotected(tmp_path):
+    """A blind FSDP2 port read its optimizer's state with torch's helpers before the loop, which step an optimizer
+    with no state once at LR 0: the warning took that for an unported script's step, on every fresh job."""
+    proc = _run(tmp_path, REPO / "tests" / "jobs" / "dsd_prestep.py")
+    assert "WARNING: the script's optimizer" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_plain_lightning_script_that_runs_is_told_it_is_not_protected(tmp_path):
     """Its devices match the job's workers, so Lightning does not crash: it trains unprotected, and rank 0 says so,
     naming trainguard's strategy; with the strategy, nothing is said."""

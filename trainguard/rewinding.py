@@ -10,6 +10,7 @@ is False and the script's error ends the process as before.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 _handler: Callable[[BaseException], bool] | None = None
@@ -18,6 +19,7 @@ _same_everywhere: Callable[[str], str] | None = None
 _holding: Callable[[], bool] | None = None
 _context: Callable[[], str] | None = None
 _available = False
+wrapped: weakref.WeakSet = weakref.WeakSet()  # the torch optimizers a trainguard.Optimizer wraps in this process
 
 
 def set_handler(handler: Callable[[BaseException], bool] | None, at_end: Callable[[], bool] | None = None,
@@ -28,8 +30,12 @@ def set_handler(handler: Callable[[BaseException], bool] | None, at_end: Callabl
     _handler, _at_end, _holding = handler, at_end, holding
 
 
-def protected() -> bool:
-    """A fault would bring this process back to its committed step: the job's state is held."""
+def protected(optimizer=None) -> bool:
+    """A fault would bring this process back to its committed step: the job's state is held, or `optimizer` is one
+    a trainguard.Optimizer wraps (held once the loop starts: torch's distributed state dicts step it, at LR 0, to
+    make its state before that)."""
+    if optimizer is not None and optimizer in wrapped:
+        return True
     return _handler is not None and _holding is not None and _holding()
 
 

@@ -83,6 +83,8 @@ def watch_first_step(rank: int) -> None:
     from ..frameworks import unguarded
 
     def first_step(optimizer, args, kwargs) -> None:
+        if rewinding.protected(optimizer) and not rewinding.protected():
+            return  # a wrapped optimizer stepped before the loop (a state dict made): watch on
         handle.remove()
         if rank == 0 and not rewinding.protected():
             print(unguarded(sys.modules), file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import rewinding
 from ...errors import ConfigError
 from ..state.shardckpt import ShardedCheckpoints
 from . import guard as guard_mod
@@ -25,6 +26,7 @@ class Optimizer:
             raise ConfigError(f"checkpoints={type(checkpoints).__name__}: give trainguard.ShardedCheckpoints(directory, "
                               "prefix, every=N)")
         self.optimizer = optimizer
+        rewinding.wrapped.add(optimizer)  # its steps before the loop are no unported script's (worker/pginit.py)
         self.lr_scheduler = lr_scheduler
         self.checkpoints = checkpoints
         self.guard = guard_mod.install(self)
