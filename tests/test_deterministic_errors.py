@@ -213,3 +213,52 @@ def test_a_config_error_after_init_ends_the_job_at_once(tmp_path: Path) -> None:
     # the bound tells that apart from waiting for its 90 s sleep, with room for a loaded machine (15.4 s seen)
     assert ended - float(raised.read_text()) < 60, proc.stderr[-3000:]
     assert "Traceback (most recent call last):" in summary and "runpy" not in summary
+
+
+@pytest.mark.timeout(120)
+def test_an_error_that_is_not_an_exception_fails_the_job(tmp_path: Path) -> None:
+    """torch DCP's CheckpointException derives from BaseException, not Exception. Raised as python would, it ended the
+    worker after it had told the scheduler it finished, and the job exited 0 with every worker failed. Now it is the
+    script's error as any other: raised by every rank, the job ends, exit 78, naming it."""
+    script = _script(tmp_path, """
+        import torch.distributed as dist
+        class CheckpointFailed(BaseException):
+            pass
+        dist.init_process_group("gloo")
+        raise CheckpointFailed("a save failed on every rank")
+    """)
+    proc, _ = _run(tmp_path, script)
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-3000:]
+    assert "CheckpointFailed: a save failed on every rank" in proc.stderr
+    assert "all 2 workers finished" not in proc.stderr
+
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_whose_model_trainguard_does_not_hold_is_refused_at_once(tmp_path: Path) -> None:
+    """A model left unwrapped, its gradients all_reduced by hand: trainguard held the optimizer and not the weights.
+    A kill then crashed the recovery ("'NoneType' object has no attribute 'state_dict'") and the job gave up naming the
+    kill. Now the first step says what to do; registered, the same model recovers."""
+    body = """
+        import torch, torch.distributed as dist
+        import trainguard as tg
+        dist.init_process_group("gloo")
+        net = torch.nn.Linear(4, 2)
+        REGISTER
+        optimizer = tg.Optimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+        for step in range(tg.start_step(), 12):
+            net(torch.randn(8, 4)).sum().backward()
+            for p in net.parameters():
+                dist.all_reduce(p.grad)
+            optimizer.step()
+            optimizer.zero_grad()
+    """
+    proc, _ = _run(tmp_path, _script(tmp_path, body.replace("REGISTER", "pass")))
+    _check_ended_at_once(proc, "the optimizer's parameters belong to no model trainguard holds")
+    assert "trainguard.DDP" in proc.stderr and "register_state('model', model)" in proc.stderr
+    registered = body.replace("REGISTER", "tg.register_state('model', net)")
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "2", "--recovery-path",
+                           str(tmp_path / "rec2"), str(_script(tmp_path, registered))], cwd=tmp_path,
+                          env={**_env(), "TG_FAULT": "1:5:kill"}, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at step 5" in proc.stdout + proc.stderr

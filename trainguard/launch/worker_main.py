@@ -153,9 +153,10 @@ def _run_once(script: str) -> bool:
             return True
         if isinstance(exc, ClusterFailed):
             _job_ended(exc)
-        if not isinstance(exc, (Exception, Rewind)):  # KeyboardInterrupt and the like: as python would
+        if isinstance(exc, KeyboardInterrupt):  # as python would (a stop signal is trainguard's: signals.py)
             raise
-        _fail(script, exc)
+        _fail(script, exc)  # a BaseException of the script's or a library's too (torch DCP's CheckpointException):
+        # raised as python would, it ended the process after the worker had said it finished, and the job exited 0
     try:
         return rewinding.again_at_end()
     except ClusterFailed as exc:

@@ -117,7 +117,7 @@ def stop_on_fault(session, reason: str, *, verdict: int | None = None) -> NoRetu
     the script (a desync: control/waits.py; a replay that differed: audit.py) always saves the committed state's
     dying gasp, and exits with its own code."""
     rt, strategy = session.rt, session.strategy
-    if hasattr(session.state.model, "drop"):
+    if session.sync is not None:  # trainguard's DDP (a script's model may have a `drop` of its own: a Dropout)
         session.state.model.drop()
     rt.drop_group()  # peers still blocked in a collective with us fail at once
     for saver in session.disk_sources:  # a save waiting for a dead peer's part is left incomplete

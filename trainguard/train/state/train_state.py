@@ -39,8 +39,8 @@ class TrainState:
         `hyperparameters()` of the position being captured, where the script has moved them on since."""
         if self.sharded:
             out: dict[str, Any] = {"part": shardstate.capture(self.model, self.optimizer, copy=False)}
-        else:
-            out = {"model": self.net().state_dict()}
+        else:  # no model: its parameters are a registered module's (an extra)
+            out = {"model": self.net().state_dict()} if self.model is not None else {}
             if self.optimizer is not None:
                 out["optimizer"] = self.optimizer.state_dict()
                 if at is not None:
@@ -78,7 +78,8 @@ class TrainState:
         if self.sharded:
             shardstate.load(self.model, self.optimizer, shared["part"])
         else:
-            self.net().load_state_dict(shared["model"])
+            if self.model is not None:
+                self.net().load_state_dict(shared["model"])
             if self.optimizer is not None:
                 self.optimizer.load_state_dict(shared["optimizer"])
         if self.scheduler is not None:
