@@ -90,6 +90,25 @@ def test_child_env() -> None:
 
 
 @pytest.mark.timeout(5)
+def test_a_dying_gasp_in_a_temporary_recovery_folder_is_resumed_by_naming_it() -> None:
+    """A blind port stopped with SIGTERM and ran the same command again: its dying gasp was in the first run's
+    temporary folder, the rerun made a new one and resumed from the script's own older checkpoint (other weights).
+    The last line now names the folder to resume from."""
+    from pathlib import Path
+
+    from trainguard.launch.policy import ended_exit, signalled_exit
+
+    temporary = LaunchSpec(script="x.py", sched_port=9, recovery_path=Path("/tmp/trainguard-abc"),
+                           recovery_temporary=True)
+    code, line = ended_exit(True, [], None, 0, True, temporary.rerun)
+    assert code == 75 and "run the same command with --recovery-path /tmp/trainguard-abc to resume from its dying-gasp" in line
+    _, line = signalled_exit([75, 75], signal.SIGTERM, True, temporary.rerun)
+    assert "--recovery-path /tmp/trainguard-abc" in line
+    named = LaunchSpec(script="x.py", sched_port=9, recovery_path=Path("/data/rec"))
+    assert "run the same command again to resume" in ended_exit(True, [], None, 0, True, named.rerun)[1]
+
+
+@pytest.mark.timeout(5)
 def test_spec_errors_name_the_flag() -> None:
     for kwargs, flag in [({"nproc_per_node": 0}, "--nproc-per-node"), ({"node_rank": 1}, "--node-rank"),
                          ({"max_restarts": -1}, "--max-restarts"), ({"sched_port": 70000}, "--sched-port")]:

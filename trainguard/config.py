@@ -40,8 +40,8 @@ HEARTBEAT_TIMEOUT_ENV = "TG_HEARTBEAT_TIMEOUT"
 CONNECT_TIMEOUT_ENV = "TG_CONNECT_TIMEOUT"
 JOIN_TIMEOUT_ENV = "TG_JOIN_TIMEOUT"
 COLLECTIVE_TIMEOUT_ENV = "TG_COLLECTIVE_TIMEOUT"
-EXACT_ENV = "TG_EXACT"  # the replay audit (train/engine/audit.py): warn (default), strict or off
-EXACT_MODES = ("warn", "strict", "off")
+EXACT_ENV, EXACT_MODES = "TG_EXACT", ("warn", "strict", "off")  # the replay audit (train/engine/audit.py)
+CHECKPOINT_DIR_ENV = "TG_CHECKPOINT_DIR"  # the dying gasp's folder (default: the recovery path's checkpoints/)
 VIRTUAL_SHARDS_ENV = "TG_VIRTUAL_SHARDS"  # the global batch over this many fixed data shards, summed exactly (0: off)
 HANG_TIMEOUT_ENV = "TG_HANG_TIMEOUT"  # seconds without progress while peers wait before a worker is replaced; 0 = off
 BACKEND_ENV = "TG_BACKEND"

@@ -186,7 +186,7 @@ class Supervisor:
 
     def _final_code(self) -> int:
         code, message = ended_exit(self.preempted, self.fault_stops, self.root, self.restarts_used,
-                                   self._gasp_saved())
+                                   self._gasp_saved(), self.spec.rerun)
         elsewhere = self.relocation.failed_elsewhere if self.relocation is not None else None
         if code == 0 and elsewhere is not None:  # failed on another host
             code, message = 1, f"trainguard: the job failed: {elsewhere}"
@@ -206,7 +206,7 @@ class Supervisor:
 
     def _signalled_code(self, signum: int) -> int:
         code, message = signalled_exit([w.popen.returncode for w in self.workers if w.popen is not None], signum,
-                                       self._gasp_saved())
+                                       self._gasp_saved(), self.spec.rerun)
         if message:
             print(message, file=self.err, flush=True)
         return code

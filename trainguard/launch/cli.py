@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..config import (
+    CHECKPOINT_DIR_ENV,
     EXACT_ENV,
     EXACT_MODES,
     INSECURE_ENV,
@@ -266,9 +267,10 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
         port = pick_free_port(host)
     if spec.hosts_scheduler:
         check_port_free(host, port)
-    recovery = args.recovery_path
+    recovery, temporary = args.recovery_path, False
     if recovery is None and spec.enable_recovery:
         path_env = _first(env, RECOVERY_PATH_ENV)
+        temporary = not path_env and not env.get(CHECKPOINT_DIR_ENV)  # where the dying gasp goes: a new one each run
         recovery = Path(path_env[1]) if path_env else Path(tempfile.mkdtemp(prefix="trainguard-"))
     if recovery is not None:
         recovery = check_recovery_path(recovery.expanduser().resolve())
@@ -277,8 +279,8 @@ def resolve_run(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchSpec:
     if secret is not None and recovery is not None and spec.hosts_scheduler:
         write_secret(recovery, secret)  # for the same user's tools (trainguard chaos)
     terminal = os.ttyname(sys.stderr.fileno()) if sys.stderr.isatty() else None  # rank 0's progress bar draws there
-    return replace(spec, sched_host=host, sched_port=port, recovery_path=recovery, log_dir=args.log_dir,
-                   secret=secret, terminal=terminal, ssl_config=ssl_config, zygote=not args.no_zygote)
+    return replace(spec, sched_host=host, sched_port=port, recovery_path=recovery, recovery_temporary=temporary,
+                   log_dir=args.log_dir, secret=secret, terminal=terminal, ssl_config=ssl_config, zygote=not args.no_zygote)
 
 
 def check_tls(env: Mapping[str, str], hosts_scheduler: bool) -> None:

@@ -32,6 +32,7 @@ from .worker_main import deterministic_error
 
 DEFAULT_GRACE_S = DEFAULT_GRACE_PERIOD_S  # one setting: --grace-period, TG_GRACE_PERIOD
 DEFAULT_SCHED_EXIT_WAIT_S = 15.0
+RERUN = "run the same command again"
 # EXIT_CONFIG: a scheduler exiting 2 rejected its config; EXIT_JOB_FAILED: it ended the job as failed (root
 # cause on its stderr). Neither is restarted. EXIT_CONFIG_ERROR: a worker's script raised a deterministic error
 # (worker_main.py); it is not restarted either. EXIT_PREEMPTED, EXIT_FAULT_STOP: see exitcodes.py.
@@ -174,19 +175,19 @@ def failure_summary(root: Failure, restarts_used: int, last: Failure | None = No
     return "\n".join([head, f"last stderr lines of {root.name}:", *("    " + ln for ln in root.tail)])
 
 
-def resume_advice(saved: bool | None) -> str:
+def resume_advice(saved: bool | None, rerun: str = RERUN) -> str:
     """What a rerun does after a graceful stop: `saved` says whether the workers wrote a dying-gasp
-    checkpoint (their `graceful_exit` events), None when that is unknown."""
+    checkpoint (their `graceful_exit` events), None when that is unknown; `rerun`: how (`LaunchSpec.rerun`)."""
     if saved is None:
-        return "run the same command again to resume from its dying-gasp checkpoint, if one is configured"
+        return f"{rerun} to resume from its dying-gasp checkpoint, if one is configured"
     if saved:
-        return "run the same command again to resume from its dying-gasp checkpoint"
+        return f"{rerun} to resume from its dying-gasp checkpoint"
     return ("no dying-gasp checkpoint was saved (none is configured), so running the same command again "
             "starts over")
 
 
 def ended_exit(preempted: bool, fault_stops: list[Failure], root: Failure | None,
-               restarts_used: int, saved: bool | None = None) -> tuple[int, str]:
+               restarts_used: int, saved: bool | None = None, rerun: str = RERUN) -> tuple[int, str]:
     """Every worker has left: (the agent's exit code, its last message). 75 after a graceful exit; after
     a stop on a fault, the root cause's code (the first worker that stopped if nothing else failed); else 0."""
     if fault_stops and not preempted:
@@ -194,16 +195,17 @@ def ended_exit(preempted: bool, fault_stops: list[Failure], root: Failure | None
         return exit_code_for(cause.returncode), failure_summary(cause, restarts_used)
     if preempted:
         return EXIT_PREEMPTED, ("trainguard: the job stopped gracefully (exit code 75) at a commit point; "
-                                + resume_advice(saved))
+                                + resume_advice(saved, rerun))
     return 0, ""
 
 
-def signalled_exit(codes: list[int | None], signum: int, saved: bool | None = None) -> tuple[int, str]:
+def signalled_exit(codes: list[int | None], signum: int, saved: bool | None = None,
+                   rerun: str = RERUN) -> tuple[int, str]:
     """After the agent forwarded signal `signum`: 75 if the workers left gracefully (75, or 0 when they had
     finished anyway), else 128 + signum."""
     if EXIT_PREEMPTED in codes and all(c in (0, EXIT_PREEMPTED) for c in codes):
         return EXIT_PREEMPTED, (f"trainguard: stopped on {signal_name(signum)}: every worker left at a commit "
-                                f"point; {resume_advice(saved)}")
+                                f"point; {resume_advice(saved, rerun)}")
     return signal_exit_code(signum), ""
 
 
@@ -225,6 +227,7 @@ class LaunchSpec:
     restart_rate: RestartRate = _DEFAULT_RATE  # and of each one within a window: a crash loop ends the job
     hot_spares: int = 0  # warm processes kept to replace dead workers (the CLI defaults to 1 with restarts on)
     recovery_path: Path | None = None
+    recovery_temporary: bool = False  # a new temporary folder (no --recovery-path), where the dying gasp goes
     log_dir: Path | None = None
     grace_s: float = DEFAULT_GRACE_S  # --grace-period / TG_GRACE_PERIOD: signal -> dying-gasp save -> SIGKILL
     hang_timeout: float | None = None  # --hang-timeout / TG_HANG_TIMEOUT (control/waits.py); None: off
@@ -276,6 +279,14 @@ class LaunchSpec:
     @property
     def enable_recovery(self) -> bool:
         return self.max_restarts > 0
+
+    @property
+    def rerun(self) -> str:
+        """How the job is run again to resume from its dying gasp: a temporary recovery folder is a new one in every
+        run, so the command must name the one this run saved into."""
+        if self.recovery_temporary and self.recovery_path is not None:
+            return f"run the same command with --recovery-path {self.recovery_path}"
+        return RERUN
 
     @property
     def events_path(self) -> Path | None:

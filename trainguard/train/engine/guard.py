@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ... import rewinding
+from ...config import CHECKPOINT_DIR_ENV
 from ...errors import CollectiveFailed, ConfigError, Rewind
 from ...worker import collectives, prologue, runtime as rt_mod
 from ...worker.ledger import ledger
@@ -57,7 +58,6 @@ from .callbacks import Callback
 from .session import Session, SessionConfig
 
 log = logging.getLogger("trainguard.guard")
-CHECKPOINT_DIR_ENV = "TG_CHECKPOINT_DIR"
 
 _guard: "Guard | None" = None
 _pending_state: dict[str, object] = {}  # register_state before the optimizer was wrapped
