@@ -30,7 +30,7 @@ parser.add_argument("--batch-size", type=int, default=4, help="samples a virtual
 parser.add_argument("--restarted", nargs="+", default=None)
 parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--no-split", action="store_true", help="one backward on the whole batch: refused")
-parser.add_argument("--no-ddp", action="store_true", help="the model left unwrapped: refused")
+parser.add_argument("--no-ddp", action="store_true", help="the model left unwrapped (registered): refused")
 parser.add_argument("--num-workers", type=int, default=0, help="loader workers; with some, noise is drawn per sample")
 args = parser.parse_args()
 
@@ -65,6 +65,8 @@ train = Noisy()
 
 net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
 model = net if args.no_ddp else tg.DDP(net)
+if args.no_ddp:  # held by trainguard, but its gradients are not summed over the shards
+    tg.register_state("model", net)
 base = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=7, gamma=0.7)
 optimizer = tg.Optimizer(base, lr_scheduler=scheduler)
