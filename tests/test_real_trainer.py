@@ -150,6 +150,18 @@ IN_STEP = [
 ]
 
 
+def test_an_injected_collective_fault_fires_once_in_a_process_that_runs_the_script_again(tmp_path, baseline):
+    """TG_FAULT's collective kind fails a step without killing anyone; the job's first fault rewinds every rank to
+    the step before it, and the script's new run made a new injector that fired again, at every rewind, until the
+    job gave up (a blind port's finding). Once per process now: one fault, one recovery, the clean run's bits."""
+    want_states, want_evals, _ = baseline(3)
+    states, evals, _, proc = run(tmp_path, 3, fault="1:5:collective")
+    assert len([e for e in events(tmp_path) if e["event"] == "fault_injected"]) == 1, proc.stderr[-3000:]
+    for r in range(3):
+        assert_identical(states[r], want_states[r], f"rank {r}")
+    assert evals == want_evals
+
+
 @pytest.mark.parametrize("workers,fault,what", IN_STEP, ids=["3-ranks", "4-ranks"])
 def test_a_fault_in_a_step_is_recovered_inside_it_and_ends_bit_identical(tmp_path, baseline, workers, fault, what):
     """After the first recovery (a rewind whose replays the audit found identical) no survivor runs the script again:

@@ -91,19 +91,25 @@ def faults_from_env(env=None) -> list[Fault]:
     return faults
 
 
+_FIRED: set[Fault] = set()  # in this process: a script run again after a rewind makes a new injector
+
+
 class FaultInjector(Callback):
     def __init__(self, faults: list[Fault]):
         self.faults = list(faults)
-        self._fired: set[Fault] = set()
 
     def _due(self, f: Fault, session) -> bool:
+        """Once per process: a fault the process survives (collective) re-fired at the step the job went back to,
+        at every rewind, until the job gave up (a blind port read the README's "first life only" as once)."""
         rt = session.rt
-        return f.rank == rt.rank and f.step == session.step and f.life == rt.incarnation and f not in self._fired
+        due = f.rank == rt.rank and f.step == session.step and f.life == rt.incarnation and f not in _FIRED
+        if due:
+            _FIRED.add(f)
+        return due
 
     def on_step_begin(self, session, step) -> None:
         for f in self.faults:
             if f.how == "collective" and self._due(f, session):
-                self._fired.add(f)
                 fire(f, session.rt)
                 session.rt.sever(f"injected collective fault in step {f.step + 1} on rank {f.rank}")
 
