@@ -238,15 +238,16 @@ def format_recovery(index: int, rec: dict[str, Any]) -> str:
         f"rank {f.get('rank', '?')} ({f.get('signal') or f.get('kind') or 'failed'})" for f in rec["failures"])
     if rec["generation"] is None:
         return f"trainguard: recovery {index}: {who} failed in generation {rec['failed_generation']}; not recovered"
-    mttr = f"{rec['mttr_s']:.3f} s" if rec["mttr_s"] is not None else "n/a (no step finished after)"
     since = "kill" if rec["fault_ts"] is not None else "detection"
+    mttr = (f"{rec['mttr_s']:.3f} s ({since} to the first step finished after)" if rec["mttr_s"] is not None else
+            "n/a (no step finished after)")
     lost = rec["lost_steps"] if rec["lost_steps"] is not None else "?"
     outcome = f"lost {lost} steps"
     d = rec.get("diverged")
     if d:  # the replay audit saw it: no "lost 0 steps" over a result that is no longer the same
         outcome = f"NOT bit-identical from step {d['step']} (rank {d['rank']}: {divergence(d)})"
     return (f"trainguard: recovery {index}: {who} -> generation {rec['generation']}, resumed at step "
-            f"{rec['to_step']}, {outcome}, MTTR {mttr} ({since} to the first step finished after)")
+            f"{rec['to_step']}, {outcome}, MTTR {mttr}")
 
 
 class EventTail:
