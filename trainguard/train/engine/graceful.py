@@ -32,7 +32,7 @@ import sys
 import time
 from typing import NoReturn
 
-from ... import signals
+from ... import rewinding, signals
 from ...errors import JobStopped
 from ...exitcodes import EXIT_FAULT_STOP, EXIT_PREEMPTED
 from ...signals import ECHO_WINDOW_S, signal_name
@@ -94,6 +94,13 @@ def _leave(session, code: int, reason: str, result: DumpResult | None) -> NoRetu
     raise JobStopped(code, reason, session.step)
 
 
+def resume_hint() -> str:
+    """How to resume from the dying gasp, said by each rank: under `trainguard run` the launcher's last line says
+    (its recovery folder may be a temporary one, which the same command would not find again)."""
+    return ("the launcher's last line says how to resume" if rewinding.available() else
+            "run the same command again to resume")
+
+
 def stop_gracefully(session, signum: int) -> NoReturn:
     """Every rank agreed, at the commit of `session.step`, that the job stops: save, say goodbye, exit 75."""
     rt, step, name = session.rt, session.step, signal_name(signum)
@@ -104,7 +111,7 @@ def stop_gracefully(session, signum: int) -> NoReturn:
     reason = f"{name} at step {step}"
     rt.events.emit("graceful_exit", rank=rt.rank, step=step, signal=name, saved=result.saved_steps(),
                    pending=result.pending)
-    then = ("run the same command again to resume" if result.saved or result.completed else
+    then = (resume_hint() if result.saved or result.completed else
             "nothing was saved, so running the same command again starts over")
     print(f"trainguard: rank {rt.rank}: {name}: stopped at step {step}; {result.describe()}; {then}",
           file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ from ...errors import JobStopped
 from ...exitcodes import EXIT_PREEMPTED
 from ...signals import signal_name
 from .dump import run_before
-from .graceful import GOODBYE_PATIENCE_S, StopRequest
+from .graceful import GOODBYE_PATIENCE_S, StopRequest, resume_hint
 
 
 class GracefulStop:
@@ -77,7 +77,7 @@ class GracefulStop:
             os._exit(EXIT_PREEMPTED)
         rt.events.emit("graceful_exit", rank=rt.rank, step=step, signal=name, saved=[step], pending=False)
         print(f"trainguard: rank {rt.rank}: {name}: stopped at step {step}; saved a dying-gasp checkpoint; "
-              "run the same command again to resume", file=sys.stderr, flush=True)
+              f"{resume_hint()}", file=sys.stderr, flush=True)
         self.close()
         rt.finish(ok=True, stopped=True, detail=f"stopped on {name} at step {step}", patience=GOODBYE_PATIENCE_S)
         raise JobStopped(EXIT_PREEMPTED, f"{name} at step {step}", step)
