@@ -107,3 +107,25 @@ def test_the_oldest_accelerate_the_extra_accepts(tmp_path):
     floor = re.search(r'"accelerate>=([0-9.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
     assert version == floor, (version, floor)
     verify(tmp_path, "mid-step", **oldest)
+
+
+def test_step_checkpoints_named_by_the_scripts_batch_counter_are_those_of_the_run_without_a_fault(tmp_path):
+    """Accelerate's complete examples count their batches in `overall_step`, which names and times their step saves
+    (`--checkpointing_steps 6`). A blind port left it as it was: after a kill it counted from 0 again, and the saves
+    came at other batches with other weights while the training stayed exact (verify, which compares the state, said
+    identical). `start_batch(len(train_dataloader), overall_step)` gives it the job's count."""
+    from safetensors.torch import load_file
+
+    def run(out: Path, fault: str) -> set[str]:
+        cmd = [sys.executable, "-m", "trainguard", "run", "--workers", str(WORKERS), "--recovery-path",
+               str(out / "recovery"), str(PORT), "--epochs", "2", "--checkpointing_steps", "6", "--output_dir",
+               str(out / "out")]
+        proc = subprocess.run(cmd, cwd=REPO, env=env(TG_FAULT=fault), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return {p.name for p in (out / "out").iterdir() if p.name.startswith("step_")}
+
+    clean, faulted = run(tmp_path / "clean", ""), run(tmp_path / "kill", "1:5:kill")
+    assert clean == faulted == {"step_6", "step_12", "step_18", "step_24", "step_30"}, (clean, faulted)
+    for name in sorted(clean):
+        a, b = (load_file(tmp_path / run / "out" / name / "model.safetensors") for run in ("clean", "kill"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -36,7 +36,7 @@ _LAZY = {
     "get_local_rank": "worker.runtime", "get_group": "worker.runtime",
     "DDP": "train.parallel.ddp", "DistributedDataParallel": "train.parallel.ddp", "DataParallel": "train.parallel.ddp",
     "Optimizer": "train.engine.optimizer", "DataLoader": "train.data.loaders", "micro_batches": "train.data.loaders", "DistributedSampler": "train.data.loaders",
-    "start_epoch": "train.engine.resume", "start_step": "train.engine.resume", "register_state": "train.engine.guard", "ShardedSampler": "train.data.sampler",
+    "start_epoch": "train.engine.resume", "start_step": "train.engine.resume", "start_batch": "train.engine.resume", "register_state": "train.engine.guard", "ShardedSampler": "train.data.sampler",
     "Session": "train.engine.session", "SessionConfig": "train.engine.session", "Step": "train.engine.session",
     "TrainState": "train.state.train_state", "GracefulStop": "train.engine.preempt", "StepTimeMonitor": "train.engine.callbacks",
     "save_state": "checkpoint.blob", "load_state": "checkpoint.blob",

@@ -93,6 +93,7 @@ def training_function(args):
             starting_epoch = resume_step // len(train_dataloader)
             resume_step -= starting_epoch * len(train_dataloader)
 
+    overall_step = starting_epoch * len(train_dataloader) + (resume_step or 0)  # batches: names the step saves
     for epoch in range(starting_epoch, args.epochs):
         model.train()
         if args.resume_from_checkpoint and epoch == starting_epoch and resume_step is not None:
@@ -108,6 +109,9 @@ def training_function(args):
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
+            overall_step += 1
+            if args.checkpointing_steps.isdigit() and overall_step % int(args.checkpointing_steps) == 0:
+                accelerator.save_state(os.path.join(args.output_dir, f"step_{overall_step}"))
 
         model.eval()
         correct, seen, eval_loss = 0, 0, 0.0

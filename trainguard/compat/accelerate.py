@@ -34,10 +34,10 @@ from ..errors import ConfigError
 from ..train.data.replayed import PassStarts, ReplayedLoader
 from ..train.engine.guard import register_state
 from ..train.engine.optimizer import Optimizer
-from ..train.engine.resume import restored, start_epoch, start_step
+from ..train.engine.resume import restored, start_batch, start_epoch, start_step
 from ..train.parallel.ddp import DataParallel
 
-__all__ = ["Accelerator", "start_epoch", "start_step"]
+__all__ = ["Accelerator", "start_batch", "start_epoch", "start_step"]
 
 
 def _capture(loader) -> dict:

@@ -2,6 +2,7 @@
 
     for epoch in range(trainguard.start_epoch(), epochs): ...        # a loop over epochs
     for step in range(trainguard.start_step(), steps): ...           # a loop over steps
+    overall_step = trainguard.start_batch(len(loader), overall_step)  # a counter of batches
 
 Either call joins the job's state first (guard.py: fresh, from a peer, or from disk)."""
 
@@ -51,6 +52,16 @@ def start_step(default: int = 0) -> int:
     replacement, a rerun, the script run again after a fault), else `default`."""
     session = current().ensure_started()
     return session.step if session.step else default
+
+
+def start_batch(per_epoch: int, default: int = 0) -> int:
+    """The training loader's batches the job's committed steps took since it began, for a loop that counts its
+    batches itself (Accelerate's complete examples count `overall_step`, which names and times their step
+    checkpoints): where the job is (a replacement, a rerun), else `default`. `per_epoch`: the batches of one pass
+    (`len(train_dataloader)`). A counter left at 0 after a fault saved the later step checkpoints at other steps, with
+    other weights, while the training itself stayed exact. Not under `elastic` (a pass split again mid-epoch)."""
+    session = current().ensure_started()
+    return session.epoch * per_epoch + session.in_epoch if session.step else default
 
 
 def restored() -> bool:
