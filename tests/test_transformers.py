@@ -102,6 +102,15 @@ def test_a_blind_masked_language_model_trainer_with_masks_drawn_in_loader_worker
                      ["--max_steps", "40", "--output_dir", "out"], steps=24, workers=3)
 
 
+def test_a_blind_glue_trainer_whose_ranks_pad_their_batches_to_their_own_lengths(tmp_path):
+    """tests/jobs/hf_glue.py (run_glue.py's shape, written blind): batches grouped by length and padded per batch, so
+    each rank counts its own flops between logs. The state kept one rank's count for every rank, and after a kill the
+    replacement's was a peer's: `total_flos` differed in the log history and the checkpoints (verify: "differs ...
+    trainer.state"), every weight the same. Each rank's count is kept now, as its loss since the last log is."""
+    verify_identical(tmp_path, REPO / "tests" / "jobs" / "hf_glue.py", "mid-step,after-commit",
+                     ["--output_dir", "out"], steps=24, workers=3)
+
+
 def test_the_oldest_transformers_the_extra_accepts(tmp_path):
     oldest = {"PYTHONPATH": os.pathsep.join(filter(None, [str(OLDEST), os.environ.get("PYTHONPATH", "")]))}
     version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],

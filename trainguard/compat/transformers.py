@@ -43,6 +43,7 @@ from ..errors import ConfigError
 from ..train.data import loaders
 from ..train.data.replayed import ReplayedLoader
 from ..train.engine import guard as guard_mod
+from ..worker.transfer import gather_into
 from ..checkpoint.codec import WALLCLOCK
 from . import accelerate as tg_accelerate
 
@@ -76,13 +77,14 @@ def _committed_steps() -> int:
     return guard.session.step if guard is not None and guard.session is not None else 0
 
 
-def _every_ranks(value: torch.Tensor) -> torch.Tensor:
-    """[world]: every rank's `value` (a 0-d tensor), in rank order."""
+def _every_ranks(values: torch.Tensor) -> torch.Tensor:
+    """[world, n]: every rank's `values` (n numbers), in rank order."""
+    values = values.reshape(-1)
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value.reshape(1)
-    out = torch.empty(dist.get_world_size(), dtype=value.dtype, device=value.device)
-    dist.all_gather_into_tensor(out, value.reshape(1))
-    return out
+        return values.reshape(1, -1)
+    out = torch.empty(dist.get_world_size() * values.numel(), dtype=values.dtype, device=values.device)
+    gather_into()(out, values)
+    return out.reshape(dist.get_world_size(), -1)
 
 
 def measured(key: str) -> bool:
@@ -133,16 +135,21 @@ class Bookkeeping:
         # that save, which records it first); kept as every other rank has it, so that a replacement's is its rank's
         state.stateful_callbacks["TrainerControl"] = TrainerControl().state()
         grad_norm = t.last_grad_norm
+        loss = t.tr_loss.detach().reshape(()).to(torch.float64)
+        ranks = _every_ranks(torch.stack([loss, torch.tensor(float(t.current_flos), dtype=torch.float64,
+                                                             device=loss.device)])).to("cpu", copy=True)
         return {"trainer_state": state,
                 "control": t.control.state(),
                 "scheduler": copy.deepcopy(t.lr_scheduler.state_dict()) if t.lr_scheduler is not None else None,
-                # the loss summed since the last log is each rank's own, and the log is their mean: the state holds
-                # every rank's, so that a replacement has its own (one small all_gather per update)
-                "tr_loss": _every_ranks(t.tr_loss.detach()).to("cpu", copy=True),
+                # the loss summed since the last log is each rank's own, and the log is their mean; so are the
+                # flops counted since (store_flos sums them at a log or save: each rank's batches pad to their own
+                # lengths): the state holds every rank's, so that a replacement has its own (one small all_gather
+                # per update; float64 holds a float32 loss exactly)
+                "tr_loss": ranks[:, 0].to(t.tr_loss.dtype),
                 "total_loss_scalar": float(t.total_loss_scalar),
                 "globalstep_last_logged": int(t.globalstep_last_logged),
                 "initial_global_step": t.initial_global_step,
-                "current_flos": float(t.current_flos),
+                "current_flos": ranks[:, 1].tolist(),
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "learning_rate": float(t.lr_now())}
 
@@ -317,7 +324,8 @@ class Trainer(transformers.Trainer):
         self._globalstep_last_logged = saved["globalstep_last_logged"]
         if saved["initial_global_step"] is not None:
             self._initial_global_step = saved["initial_global_step"]
-        self.current_flos = saved["current_flos"]
+        flos = saved["current_flos"]  # every rank's (a single float: a state from before they were kept per rank)
+        self.current_flos = flos[mine] if isinstance(flos, list) else flos
         if saved["scheduler"] is not None:  # as the update left it; the loop steps it after the update
             self.lr_scheduler.load_state_dict(saved["scheduler"])
             if not saved["update_skipped"] and not isinstance(self.lr_scheduler, _STEPPED_BY_METRICS):

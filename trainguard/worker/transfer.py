@@ -86,13 +86,18 @@ def all_max_each(values: list[int], group: dist.ProcessGroup) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def gather_into():
+    """torch's all-gather into one tensor, by its current name (looked up at the call: trainguard wraps the module's
+    functions at init); `all_gather_into_tensor`, the name before torch 2.10, warns as deprecated since."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @_typed
 def all_gather_ints(value: int, group: dist.ProcessGroup, world_size: int) -> list[int]:
     """Every rank's int64, in rank order."""
     dev = _device(group)
     out = torch.zeros(world_size, dtype=torch.int64, device=dev)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before torch 2.10
-    gather(out, torch.tensor([value], dtype=torch.int64, device=dev), group=group)
+    gather_into()(out, torch.tensor([value], dtype=torch.int64, device=dev), group=group)
     return [int(v) for v in out.tolist()]
 
 
@@ -134,4 +139,4 @@ class FloatGather:
 
 @_typed
 def _start_gather(out: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup):
-    return dist.all_gather_into_tensor(out, mine, group=group, async_op=True)
+    return gather_into()(out, mine, group=group, async_op=True)
