@@ -267,7 +267,9 @@ def main(args: argparse.Namespace) -> int:
     asked = any(a == "--faults" or a.startswith("--faults=") for a in args.argv[:len(args.argv) - len(args.script_args)])
     if skipped and asked and not failed:  # asked for by name: a CI line must not pass on faults never tried
         print(f"NOT verified: {', '.join(skipped)} asked for and not run; give a larger --steps (an epoch's end or a "
-              f"collective outside a step must come within it), or leave {', '.join(skipped)} out of --faults")
+              "collective outside a step must come within it; code at the top of the loop body, after the batch is "
+              "taken, is the step's own, so a script whose collectives are all there has none outside a step: at:OP:N "
+              f"kills in it), or leave {', '.join(skipped)} out of --faults")
         return 1
     if failed:
         audited = any(row[3] == "same state, audit differs" for row in rows)
