@@ -56,7 +56,7 @@ class Passes:
         eval) runs again after a fault in it, so a rank that goes back to the committed position gives up those
         moves: it keeps, serves and saves these (a blind trainer's ReduceLROnPlateau stepped twice)."""
         if self.end_state is None and state is not None:
-            self.step_state = state.hyperparameters()
+            self.step_state = state.hyperparameters(light=True)
 
     @property
     def held(self) -> dict | None:

@@ -10,6 +10,7 @@ streams are keyed by (job seed, rank, a point of the step) (train/state/streams.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,13 +53,16 @@ class TrainState:
             out["extra"] = {k: v.state_dict() for k, v in self.extra.items()} if at is None else at["extra"]
         return out
 
-    def hyperparameters(self) -> dict:
+    def hyperparameters(self, light: bool = False) -> dict:
         """A copy of what the script's code between steps moves: the param groups' values (the LR), the scheduler's
-        and the extras' states (not the tensors of the model and the optimizer, which only a commit changes)."""
+        and the extras' states (not the tensors of the model and the optimizer, which only a commit changes).
+        `light` (taken at every step): an extra's tensor of more than LIGHT_NUMEL elements (an EMA's weights, which
+        the code after the update moves) is kept as it is, not copied."""
         groups = self.optimizer.param_groups if self.optimizer is not None else []
+        take = _light if light else copy.deepcopy
         return {"groups": [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in groups],
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
-                "extra": {k: copy.deepcopy(v.state_dict()) for k, v in self.extra.items()}}
+                "extra": {k: take(v.state_dict()) for k, v in self.extra.items()}}
 
     def put_back(self, saved: dict) -> None:
         """Set what `hyperparameters()` copied."""
@@ -92,6 +96,23 @@ class TrainState:
                               "come from the same script)")
         for k, v in self.extra.items():
             v.load_state_dict(saved[k])
+
+
+LIGHT_NUMEL = 1 << 16
+
+
+def _light(value):
+    """A copy of `value` whose tensors above LIGHT_NUMEL elements are the same tensors (pure but for the copies)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone() if value.numel() <= LIGHT_NUMEL else value
+    if type(value) in (dict, OrderedDict):  # a module's state_dict() is an OrderedDict with its `_metadata`
+        out = type(value)((k, _light(v)) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            out._metadata = copy.deepcopy(value._metadata)
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(_light(v) for v in value)
+    return copy.deepcopy(value)
 
 
 def job_seed() -> int:
