@@ -201,3 +201,14 @@ states = st.recursive(
 def test_property_round_trip(obj):
     _, _, back = roundtrip(obj)
     assert_same(obj, back)
+
+
+def test_a_multistep_schedulers_counter_of_milestones_round_trips():
+    """torch's MultiStepLR keeps its milestones in a collections.Counter: refused before ("cannot store a
+    collections.Counter"), so a job with one failed at its first fault or SIGTERM (a blind port's finding)."""
+    from collections import Counter
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    state = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 5, 5], gamma=0.1).state_dict()
+    back = unflatten_state(*flatten_state(state))
+    assert type(back["milestones"]) is Counter and back == state

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import math
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Callable
 
 import numpy as np
@@ -24,7 +24,9 @@ import torch
 from ..errors import CheckpointCorrupt, CheckpointError
 
 CODEC_VERSION = 1
-_SUPPORTED = "dict (str/int keys), list, tuple, torch.Tensor, numpy.ndarray, int, float, bool, None, str, bytes"
+_SUPPORTED = ("dict, OrderedDict and Counter (str/int keys), list, tuple, torch.Tensor, numpy.ndarray, int, float, "
+              "bool, None, str, bytes")
+_MAPPINGS = {dict: "dict", OrderedDict: "odict", Counter: "counter"}  # Counter: MultiStepLR's milestones
 
 WALLCLOCK = "wallclock"  # a key of a state whose values a clock measured: kept and restored, never compared (verify)
 
@@ -120,7 +122,7 @@ class _Encoder:
         if isinstance(x, np.generic):
             dtype = self._np_dtype(x.dtype, path)
             return {"t": "npscalar", "dtype": dtype, "v": base64.b64encode(x.tobytes()).decode("ascii")}
-        if kind in (dict, OrderedDict, list, tuple):
+        if kind in _MAPPINGS or kind in (list, tuple):
             if id(x) in self._open:
                 raise CheckpointError(f"state has a reference cycle at {'/'.join(path) or '<root>'}")
             self._open.add(id(x))
@@ -140,7 +142,7 @@ class _Encoder:
                 raise CheckpointError(f"dict key {k!r} ({type(k).__name__}) at {'/'.join(path) or '<root>'} "
                                       "is not a str or int; only those keys can be stored")
             keys.append(k)
-        out = {"t": "dict" if kind is dict else "odict", "k": keys,
+        out = {"t": _MAPPINGS[kind], "k": keys,
                "v": [self.node(x[k], path + (str(k),)) for k in keys]}
         extra = getattr(x, "_metadata", None)  # nn.Module.state_dict() keeps module versions here
         if kind is OrderedDict and extra is not None:
@@ -192,10 +194,11 @@ class _Decoder:
         if tag in ("list", "tuple"):
             items = [self.node(v) for v in n["v"]]
             return items if tag == "list" else tuple(items)
-        if tag in ("dict", "odict"):
+        if tag in ("dict", "odict", "counter"):
             if len(n["k"]) != len(n["v"]) or any(type(k) not in (str, int) for k in n["k"]):
                 raise ValueError("keys and values do not match")
-            out = (dict if tag == "dict" else OrderedDict)(zip(n["k"], (self.node(v) for v in n["v"])))
+            kind = next(k for k, t in _MAPPINGS.items() if t == tag)
+            out = kind(dict(zip(n["k"], (self.node(v) for v in n["v"]))))  # Counter(pairs) would count them
             if "m" in n:
                 out._metadata = self.node(n["m"])
             return out
