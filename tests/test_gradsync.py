@@ -71,9 +71,37 @@ def _exchange(rank: int, world: int, init: str, out: str) -> None:
     for g in own:
         dist.all_reduce(g)
     results["expected"] = [g / world for g in own]
+    results["experts"] = _experts(rank, world)
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.barrier()  # no rank leaves while a peer's last exchange may still be talking to it (gloo aborts at exit)
     dist.destroy_process_group()
+
+
+def _experts(rank: int, world: int) -> dict:
+    """A trunk and three experts; ranks 0 and 2 route their batch to expert 0, rank 1 to expert 1, nobody to 2."""
+    import torch
+    import torch.distributed as dist
+
+    from trainguard.train.parallel.gradsync import GradSync
+
+    torch.manual_seed(0)
+    trunk, experts = nn.Linear(4, 4), nn.ModuleList(nn.Linear(4, 2) for _ in range(3))
+    model = nn.ModuleDict({"trunk": trunk, "experts": experts})
+    sync = GradSync(model)
+    sync.attach(dist.group.WORLD)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(8, 4)
+    experts[rank % 2](trunk(x)).sum().backward()
+    sync.result()
+    got = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    sync.enabled = False
+    experts[rank % 2](trunk(x)).sum().backward()
+    own = {name: torch.zeros_like(p) if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    for g in own.values():
+        dist.all_reduce(g)
+    sync.close()
+    return {"got": got, "expected": {k: v / world for k, v in own.items()}}
 
 
 def test_three_ranks_get_the_mean_in_views_of_the_buckets(tmp_path):
@@ -93,6 +121,16 @@ def test_three_ranks_get_the_mean_in_views_of_the_buckets(tmp_path):
                 assert torch.allclose(a, e, atol=1e-6)  # the mean
                 if mode != "accumulate":  # the same sums in the same layout: the same bits on every rank
                     assert torch.equal(a, b)
+        # an expert this rank did not use gets the mean where another rank used it (it kept None, and the replicas
+        # parted: a blind mixture-of-experts port); one nobody used keeps None, as torch's DDP with
+        # find_unused_parameters leaves it
+        experts = got[r]["experts"]
+        for name, grad in experts["got"].items():
+            if name.startswith("experts.2."):
+                assert grad is None, name
+            else:
+                assert grad is not None and torch.allclose(grad, experts["expected"][name], atol=1e-6), name
+                assert torch.equal(grad, got[0]["experts"]["got"][name]), name
 
 
 # --- what rides in the exchange: rank 0's buffers and every rank's numbers, on 3 real processes (gloo) -----------

@@ -66,6 +66,7 @@ from torch import nn
 from ...errors import CollectiveFailed
 from ...worker.collectives import internal
 from .exactsum import ShardSum, TreeSum
+from .riders import Reached
 
 MB = 1 << 20
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MB  # a freed block larger than this leaves glibc's thresholds where they are
@@ -129,7 +130,8 @@ class GradSync:
         self.controls: list[int] = []  # every rank's control value from the last completed exchange
         self.error: CollectiveFailed | None = None
         self.share = None  # a BufferShare (train/state/buffers.py): rank 0's buffers ride with the last bucket
-        self.riders: list = []  # more riders (riders.py), after the share
+        self.reached = Reached(self.buckets)  # which parameters some rank's backward reached (riders.py)
+        self.riders: list = [self.reached]  # the riders (riders.py), after the share
         self.enabled = True  # False inside no_sync()
         self.shards = 0  # virtual shards (set_shards): 0 for the float sum over the ranks
         self.exact: ShardSum | None = None  # this step's shards' gradients and their sum, under virtual shards
@@ -319,9 +321,10 @@ class GradSync:
         if self.exact is None:
             for bucket in self.buckets:
                 bucket.grads.div_(self.world)
-        for bucket in partial:
-            for p, view in zip(bucket.params, bucket.views):
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # an old gradient: now 0
+        for b, bucket in enumerate(partial, len(self.buckets) - len(partial)):  # None: no rank reached it
+            for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
+                if p.grad is None and (self.exact is not None or self.reached.by_some(b, i)) or \
+                        p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # an old gradient: now 0
                     p.grad = view
         self._synced = True
 

@@ -94,3 +94,38 @@ class Flag:
     def take(self, view: torch.Tensor) -> None:
         if view[0].item() > 0:
             self.on_any()
+
+
+class Reached:
+    """Which parameters some rank's backward reached this step: one slot a parameter, each rank adding 1 where its
+    own did (counts up to the world size: exact). A parameter this rank's backward did not reach (a mixture of
+    experts routes its batch elsewhere, a head used on some steps) gets the mean where another rank's did, and keeps
+    no gradient where none did, as torch's DDP with find_unused_parameters gives: with its own gradient left None,
+    the optimizer skipped it here and stepped it on the other ranks, and the replicas parted (a blind port's)."""
+
+    def __init__(self, buckets) -> None:
+        self.buckets = buckets  # gradsync's, in layout order: `arrived` flags per parameter this backward
+        self.riding = False
+        self.counts: torch.Tensor | None = None  # from the last exchange; None: not known (not riding)
+        self._offsets = [0]
+        for b in buckets:
+            self._offsets.append(self._offsets[-1] + len(b.params))
+
+    def slots(self, dtype: torch.dtype, device: torch.device, world: int) -> int | None:
+        return self._offsets[-1]
+
+    @torch.no_grad()
+    def fill(self, view: torch.Tensor, rank: int) -> None:
+        if all(False not in b.arrived for b in self.buckets):
+            view.fill_(1.0)
+        else:
+            view.copy_(torch.tensor([a for b in self.buckets for a in b.arrived], dtype=view.dtype))
+        self.counts = None
+
+    @torch.no_grad()
+    def take(self, view: torch.Tensor) -> None:
+        self.counts = view
+
+    def by_some(self, bucket: int, i: int) -> bool:
+        """Whether some rank's backward reached parameter `i` of `bucket` (True when not known)."""
+        return self.counts is None or bool(self.counts[self._offsets[bucket] + i] > 0)
