@@ -262,3 +262,24 @@ def test_an_optimizer_whose_model_trainguard_does_not_hold_is_refused_at_once(tm
                           env={**_env(), "TG_FAULT": "1:5:kill"}, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed at step 5" in proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ddp_training_beside_the_held_model_is_refused_at_once(tmp_path: Path) -> None:
+    """A blind DCGAN port wrapped both networks in trainguard.DDP and the generator's optimizer in trainguard.Optimizer:
+    the discriminator's gradients were never averaged (its hooks wait for a group only the held model gets), so each
+    rank trained its own discriminator, silently, with or without a fault. Refused at the first step now."""
+    script = _script(tmp_path, """
+        import torch, torch.distributed as dist
+        import trainguard as tg
+        dist.init_process_group("gloo")
+        G, D = tg.DDP(torch.nn.Linear(4, 4)), tg.DDP(torch.nn.Linear(4, 1))
+        opt_g = tg.Optimizer(torch.optim.Adam(G.parameters()))
+        opt_d = torch.optim.Adam(D.parameters())
+        for step in range(tg.start_step(), 8):
+            D(G(torch.randn(8, 4))).mean().backward()
+            opt_d.step()
+            opt_g.step()
+    """)
+    proc, _ = _run(tmp_path, script)
+    _check_ended_at_once(proc, "a second trainguard.DDP (Linear, 5 parameters) trains beside the model trainguard holds")

@@ -51,7 +51,7 @@ from ..state import discover
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
 from ..state.shardckpt import ShardedSaver
 from ..state.train_state import TrainState
-from . import audit, instep, pastend, tail, rewind as rewind_mod
+from . import audit, holds, instep, pastend, tail, rewind as rewind_mod
 from .audit import Audit
 from .batches import StepBatches
 from .callbacks import Callback
@@ -94,11 +94,7 @@ class Guard:
                               "(the same arguments)")
         self.stateful.update(discover.unregistered(opt.optimizer, [model, opt.lr_scheduler, *self.stateful.values()],
                                                    rewound=rewind_mod.rewound()))
-        if model is None and not _held_elsewhere(opt.optimizer, self.stateful.values()):
-            raise ConfigError("the optimizer's parameters belong to no model trainguard holds, so a recovery could not "
-                              "give their values back: wrap the model in trainguard.DDP (it replaces torch's DDP and "
-                              "a gradient all_reduce written by hand), shard it with trainguard.fully_shard, or "
-                              "register it: trainguard.register_state('model', model)")
+        holds.check(model, opt.optimizer, self.stateful.values())  # one model, held, nothing training beside it
         state = TrainState(model=model, optimizer=opt.optimizer, scheduler=opt.lr_scheduler, extra=self.stateful,
                            sharded=sharding.is_sharded(model))
         rt = rt_mod.joined()
@@ -317,13 +313,6 @@ class Guard:
             self.finished = True
             return False
         return rewind_mod.prepare(Rewind("a peer failed before the job could finish"))
-
-
-def _held_elsewhere(optimizer: torch.optim.Optimizer, registered) -> bool:
-    """Every parameter of the optimizer is in a module registered with trainguard.register_state."""
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    held = {id(p) for obj in registered if isinstance(obj, torch.nn.Module) for p in obj.parameters()}
-    return params <= held
 
 
 def _model_of(optimizer: torch.optim.Optimizer) -> DataParallel | None:

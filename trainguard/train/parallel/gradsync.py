@@ -123,8 +123,7 @@ class GradSync:
         self.buckets = plan_buckets(params, int(bucket_cap_mb * MB), int(first_bucket_mb * MB))
         self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self.group: dist.ProcessGroup | None = None
-        self.world = 1
-        self.rank = 0
+        self.world, self.rank = 1, 0
         self.control: Callable[[], int] = lambda: 0  # this rank's control value, read as the last bucket leaves
         self.after_launch: Callable[[], None] | None = None  # called once per backward, after the first launch
         self.controls: list[int] = []  # every rank's control value from the last completed exchange
@@ -200,6 +199,10 @@ class GradSync:
         self.riders.append(rider)
         if self.group is not None:
             self._lay_out()
+
+    @property
+    def hooked(self) -> bool:  # its gradient hooks are on (until close(): a rewound run's model)
+        return bool(self._handles)
 
     def detach(self) -> None:
         self.group = None
