@@ -19,6 +19,8 @@ import pytest
 import torch
 from harness import REPO, assert_identical, env
 
+from trainguard.exitcodes import EXIT_CONFIG_ERROR
+
 pytestmark = pytest.mark.timeout(300)
 
 ORIGINAL = REPO / "tests" / "jobs" / "foreign_trainer.py"
@@ -94,10 +96,24 @@ def test_a_port_that_keeps_torchs_training_loader_is_told_at_the_first_restore(t
     batches are trained twice. The job cannot tell it from an eval loader, so it says so loudly when it resumes,
     and the replay audit (warn) sees the replayed step train on another batch."""
     keeps_torchs = tuple((was, now.replace("DDP, DataLoader, DistributedSampler", "DDP\nfrom torch.utils.data import "
-                                           "DataLoader, DistributedSampler")) for was, now in PORT)
+                                           "DataLoader, DistributedSampler")) for was, now in PORT
+                         if "start_epoch" not in now)  # with it, the first step ends the job: below
     _, _, log = run(tmp_path, "torchs-loader", port(tmp_path, keeps_torchs), fault="1:12:kill", epochs=1,
                     exact="warn")
     assert ("warning: the job resumes at step 12, batch 12 of epoch 0, but no trainguard.DataLoader drives its "
             "steps, and the script has 2 torch.utils.data.DataLoaders" in log), log[-3000:]
     assert "batches 0-11 of epoch 0 are trained twice" in log and "Import DataLoader and DistributedSampler" in log
     assert "not bit-identical: the inputs of rank " in log and "at step 12 differ from its first run" in log
+
+
+def test_a_port_that_keeps_torchs_training_loader_and_starts_its_loop_at_start_epoch_ends_at_its_first_step(tmp_path):
+    """start_epoch() gives the epoch trainguard's loader has reached: with torch's, after a fault the loop would start
+    at the first epoch again. The first step ends the job, exit 78, naming the fix (train/engine/guard.py)."""
+    keeps_torchs = tuple((was, now.replace("DDP, DataLoader, DistributedSampler", "DDP\nfrom torch.utils.data import "
+                                           "DataLoader, DistributedSampler")) for was, now in PORT)
+    script = port(tmp_path, keeps_torchs)
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "0",
+                           "--recovery-path", str(tmp_path / "recovery"), str(script), "--epochs", "1", "--out",
+                           str(tmp_path / "final")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no trainguard.DataLoader gave this step its batch" in proc.stdout + proc.stderr

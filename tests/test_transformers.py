@@ -94,11 +94,12 @@ def test_a_blind_masked_language_model_trainer_with_masks_drawn_in_loader_worker
     from a config, DataCollatorForLanguageModeling drawing the masks in 2 loader workers, evaluation and saves by steps,
     load_best_model_at_end, EarlyStoppingCallback, a callback of its own), ported by its Trainer import. Each fetch of
     the training loader is keyed, so the workers' seeds are the same after a restore (before, the state differed from
-    the step of the kill, and after a SIGTERM and rerun)."""
+    the step of the kill, and after a SIGTERM and rerun; the SIGTERM is left to the every-fault test and to
+    test_lightning's and test_accelerate's loader workers, for the suite's time)."""
     plain, port = ((REPO / "tests" / "jobs" / name).read_text().split('"""', 2)[2] for name in ("hf_mlm_plain.py",
                                                                                                 "hf_mlm.py"))
     assert len(set(port.splitlines()) - set(plain.splitlines())) == 1  # the import
-    verify_identical(tmp_path, REPO / "tests" / "jobs" / "hf_mlm.py", "mid-step,sigterm",
+    verify_identical(tmp_path, REPO / "tests" / "jobs" / "hf_mlm.py", "mid-step",
                      ["--max_steps", "40", "--output_dir", "out"], steps=24, workers=3)
 
 

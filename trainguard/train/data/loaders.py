@@ -28,7 +28,7 @@ from ...errors import ConfigError
 from ..engine import guard as guard_mod
 from ..engine import rewind as rewind_mod
 from ..state.streams import fetch_pass, key_seed
-from . import passes, streamstate
+from . import numbering, passes, streamstate
 from .loaderseed import seed_loader_samples
 from .plainloaders import Resumable
 from ...worker import runtime as rt_mod
@@ -61,6 +61,7 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
         super().__init__(*args, **kwargs)
         self.tg_index = rewind_mod.next_loader_index()
         self.tg_kept = streamstate.attach(self)  # a stream that keeps its own position: its workers' states
+        numbering.install()  # enumerate(loader) over a resumed pass counts from its batch (numbering.py)
 
     def __iter__(self):
         return guarded_iter(self, lambda session: seed_loader_samples(self, sharded_sampler(self), session.streams.seed,
@@ -173,8 +174,9 @@ class _OtherBatches:
         return batch
 
 
-class _TrainingBatches:
-    """A pass of the training loader, from the committed position."""
+class _TrainingBatches(numbering.ResumedPass):
+    """A pass of the training loader, from the committed position: its batch `first` of the epoch (a framework's
+    loader, which counts its own batches, says 0)."""
 
     def __init__(self, loader: DataLoader, guard: "guard_mod.Guard"):
         self.loader, self.guard = loader, guard
@@ -189,6 +191,7 @@ class _TrainingBatches:
             session.passes.begun_at_end = done  # resumed after the epoch's last batch: the loop body runs for none
         session.passes.begin(label, step=session.step, epoch=session.epoch, in_epoch=session.in_epoch)
         self.it = self._from_position()
+        self.first = 0 if getattr(loader, "replays_pass", False) else session.in_epoch
 
     def _from_position(self):
         session, loader = self.guard.session, self.loader

@@ -24,6 +24,11 @@ from a checkpoint by new processes, a world-size change (elastic: other batches 
 difference that neither the inputs' nor the output's sampled elements show (a state read only by the
 backward or the optimizer; the next step's forward shows it).
 
+State carried from step to step outside the committed state (an RNN's hidden state kept between batches) differs
+after any fault, and after a SIGTERM and a rerun nothing can compare it. So in the first CARRY_STEPS steps of each
+run of the script a forward's inputs are also compared with what the forward before it returned, when that was an
+earlier step's: the same bits (not all one value) are said once, by rank 0, with the fix (a `carried_state` event).
+
 Modes (TG_EXACT, `trainguard run --exact`, job file `exact`): `warn` (the default) prints what differed,
 its likely causes and fixes, records a `replay_mismatch` event, and the launcher says "not bit-identical
 from step N"; `strict` ends the job (EXIT_NOT_EXACT, after the committed state's dying gasp); `off` records
@@ -45,6 +50,7 @@ from .graceful import stop_on_fault
 SAMPLE = 1024  # elements kept of each tensor
 MAX_TENSORS = 8  # tensors kept of a forward's inputs, and of its output
 KEEP_STEPS = 64  # steps whose first run stays comparable
+CARRY_STEPS = 8  # steps of a run whose forwards' inputs are compared with the outputs of the forward before
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 INPUT_CAUSES = ("the batch came from state trainguard does not restore: a data iterator or counter of the script's "
@@ -65,6 +71,15 @@ class Mark(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
     sample: bytes | torch.Tensor
+
+    def varied(self) -> bool:
+        """Whether the sampled elements are not all one value (zeros, a constant mask say nothing of where they came
+        from)."""
+        a = self.sample
+        if isinstance(a, bytes):
+            n = max(1, self.dtype.itemsize)
+            return a != a[:n] * (len(a) // n)
+        return a.numel() > 1 and not bool((a == a[0]).all())
 
     def same(self, other: "Mark") -> bool:
         if (self.dtype, self.shape) != (other.dtype, other.shape):
@@ -132,6 +147,14 @@ class Finding:
                     "(`global_step = 0`, `iter_num = 0`). Fix: count from where the job is, "
                     "`global_step = trainguard.start_step()`, or hand the object that holds the counter to "
                     "`trainguard.register_state()`")
+        if self.what == "carried":
+            return (f"rank {rank}'s training forward at step {self.step} takes as an input what its forward of an "
+                    "earlier step returned: state carried from step to step (an RNN's hidden state kept between "
+                    "batches, word_language_model's `repackage_hidden`; a memory of past segments). The committed state "
+                    "does not hold it: after a fault, or a SIGTERM and the same command again, it starts from its first "
+                    "value, and the run is no longer the one without a fault. Fix: keep it in an object given to "
+                    "`trainguard.register_state()` whose values are the same on every rank (all_gather each rank's "
+                    "part into it), or start it afresh at each batch")
         if self.what == "tail":
             return (f"not bit-identical: rank {rank} entered {self.forward} collective(s) after step {self.step}'s "
                     f"update before the fault (code after `optimizer.step()`: a logged all_reduce, an eval, a save), "
@@ -148,6 +171,7 @@ class Finding:
 _first: dict[tuple[int, int], tuple[tuple[Mark, ...], tuple[Mark, ...]]] = {}  # (step, forward) -> (inputs, output)
 
 
+_carried_said = False  # a forward's input that an earlier step's forward returned was said (once a process)
 _verified = False  # a replayed forward of this process (or of the peer it took its state from) was its first run's
 
 
@@ -172,6 +196,8 @@ class Audit:
         self.at: tuple[int, int] | None = None  # (step, restores) the count belongs to
         self.n = 0
         self.found: Finding | None = None  # the first difference (one is said; everything after follows from it)
+        self.last: tuple[int, tuple[Mark, ...]] = (-1, ())  # the last forward's step and output
+        self.start: int | None = None  # the step of this run's first forward
 
     def forward(self, step: int, restores: int, inputs, out) -> Finding | None:
         """A training forward returned: its first run is recorded, its replay compared."""
@@ -181,6 +207,7 @@ class Audit:
             self.at, self.n = (step, restores), 0
         self.n += 1
         now = (marks(inputs), marks(out))
+        carried = self._carried(step, now)
         key = (step, self.n)
         first = _first.get(key)
         if first is None or self.found is not None:
@@ -188,14 +215,25 @@ class Audit:
             if self.n == 1 and step % KEEP_STEPS == 0:
                 for old in [k for k in _first if k[0] < step - KEEP_STEPS]:
                     del _first[old]
-            return None
+            return carried
         what = "inputs" if not same(first[0], now[0]) else "output" if not same(first[1], now[1]) else ""
         if not what:
             trust()
-            return None
+            return carried
         self.found = Finding(step, self.n, what)
         _first.clear()  # from here on this run is the reference
         return self.found
+
+    def _carried(self, step: int, now: tuple[tuple[Mark, ...], tuple[Mark, ...]]) -> Finding | None:
+        """An input of this forward with the bits an earlier step's forward returned (once a process; looked for in
+        the first CARRY_STEPS steps a run of the script makes, where it shows: on a GPU each look waits for it)."""
+        global _carried_said
+        (before, returned), self.start = self.last, step if self.start is None else self.start
+        self.last = (step, now[1] if step < self.start + CARRY_STEPS else ())
+        if _carried_said or before >= step or not any(x.same(y) and x.varied() for x in now[0] for y in returned):
+            return None
+        _carried_said = True
+        return Finding(step, self.n, "carried")
 
     def update(self, step: int, groups: list[dict]) -> Finding | None:
         """The optimizer is about to apply step `step`'s update: its hyperparameters' first run is recorded (as the
@@ -232,6 +270,11 @@ def report(session, found: Finding) -> None:
     """Say what differed (and, under --exact strict, end the job: the scheduler ends it for every rank)."""
     rt = session.rt
     text = found.describe(rt.rank)
+    if found.what == "carried":  # not yet a difference: one after any fault (every rank finds it; rank 0 says it)
+        if rt.rank == 0:
+            rt.events.emit("carried_state", rank=rt.rank, step=found.step, generation=rt.generation)
+            print(f"trainguard: {text}", file=sys.stderr, flush=True)
+        return
     rt.events.emit("replay_mismatch", rank=rt.rank, step=found.step, forward=found.forward, what=found.what,
                    again=found.again, generation=rt.generation)
     print(f"trainguard: {text}", file=sys.stderr, flush=True)

@@ -75,6 +75,7 @@ class Guard:
         self.audit = Audit(False)  # the replay audit (audit.py), from the session's start
         self.in_step = False
         self.step_loader: int | None = None  # the loader whose batch began this step
+        self.epochs_asked = False  # the script's loop starts at start_epoch(): its epochs are a trainguard loader's
         self.recent_loader: int | None = None  # the last loader a training batch came from since the last commit
         self.batches = StepBatches()  # the training batches each step takes (batches.py)
         self._resync: dict | None = None  # hand launches: hyperparameters to put back after an in-place recovery
@@ -253,6 +254,8 @@ class Guard:
             return None
         if session.train_loader is None and self.step_loader is not None:  # before the commit: its copies and
             session.train_loader = self.step_loader  # checkpoints name the loader that drives the steps from now on
+        elif session.train_loader is None and self.epochs_asked:
+            raise ConfigError(NO_EPOCHS)
         session.end_step(None, batches, self.batches.committed_ahead())
         self.recent_loader = None
         tail.committed()
@@ -367,6 +370,14 @@ def install(optimizer) -> "Guard":
     return _guard
 
 
+
+
+NO_EPOCHS = ("trainguard.start_epoch() gives the epoch a trainguard.DataLoader's passes have reached, but no "
+             "trainguard.DataLoader gave this step its batch (a tensor sliced by index, as word_language_model's "
+             "batchify; torch's DataLoader; data made in the loop): after a fault the loop would start again at the "
+             "first epoch. Take the batches from trainguard.DataLoader (with trainguard.DistributedSampler), or count "
+             "steps: `step0 = trainguard.start_step(0)`, start the epoch loop at `step0 // steps_per_epoch` and skip "
+             "that epoch's first `step0 % steps_per_epoch` batches")
 
 
 def register_state(name: str, obj) -> None:

@@ -21,7 +21,7 @@ from ...errors import ClusterFailed, CollectiveFailed, ConfigError, FencedError,
 from ...worker.transfer import broadcast_int, recv_bytes, send_bytes
 from ..data import phase as elastic
 from ..state.train_state import TrainState, job_seed
-from . import audit
+from . import alike, audit
 from .graceful import stop_on_fault
 
 log = logging.getLogger("trainguard.session")
@@ -163,6 +163,9 @@ class Recovery:
             if session.sync is not None:
                 session.state.model.broadcast_from(0, rt.group)
             session.streams.seed = broadcast_int(job_seed(), 0, rt.group)
+            for line in alike.check(session.state.extra, rt.group):
+                if rt.rank == 0:
+                    log.warning(line)
         serve = decision.served_by(rt.rank) if live is None else []
         if serve:
             blob = session.pack_live()

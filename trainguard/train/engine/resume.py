@@ -32,7 +32,9 @@ def _own_resume_point(default: int) -> bool:
 def start_epoch(default: int = 0) -> int:
     """The epoch this process's loop starts at: where the job is (a replacement, a rerun), else `default`.
     A `default` from the script's own resume code is not used (rank 0 says so)."""
-    session = current().ensure_started()
+    guard = current()
+    guard.epochs_asked = True  # a step whose batch no trainguard loader gave is refused (guard.NO_EPOCHS)
+    session = guard.ensure_started()
     own = _own_resume_point(default)
     if not session.step:  # a fresh job: the script's own resume point (its weights were broadcast from rank 0)
         session.epoch = max(session.epoch, default)

@@ -7,10 +7,14 @@ overlapped with backward as DDP's, deterministic for a given world size and rank
 never raising inside backward (a failed exchange is recorded; the optimizer step is skipped).
 Each generation attaches it to the new process group (`rebuild`); nothing is broadcast then,
 because recovery hands every rank the same state. A fresh job starts from rank 0's parameters
-(`broadcast_from`), as DDP's constructor does. Buffers (e.g. BatchNorm statistics): with
-`broadcast_buffers=True` (DDP's default) every committed step leaves every rank with rank 0's, as
-DDP's broadcast before each forward would, but they ride in the step's exchange instead
-(train/state/buffers.py), so a forward makes no collective and a skipped step puts them back.
+and buffers, as DDP's constructor does, and in it: in the job's first generation every rank builds the wrapper
+at once, so the constructor broadcasts them (a copy the script makes after `DDP(...)`, timm's EMA, is rank 0's, as
+under torch's DDP). A fresh start takes them again at its first step (`broadcast_from`: after a fault before the
+first commit, with no collective in the script's setup, which a replacement runs beside ranks in a step; in the
+first run too, one broadcast more, so that `trainguard verify`'s `at:broadcast:N` counts as before).
+Buffers (e.g. BatchNorm statistics): with `broadcast_buffers=True` (DDP's default) every committed step leaves
+every rank with rank 0's, as DDP's broadcast before each forward would, but they ride in the step's exchange
+instead (train/state/buffers.py), so a forward makes no collective and a skipped step puts them back.
 With `broadcast_buffers=False` each rank keeps its own, and a replacement takes a peer's.
 
 Virtual shards (`--virtual-shards V`, train/parallel/exactsum.py): each training forward is one shard's, in the
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import ConfigError
+from ...worker import runtime
 from ...worker.transfer import broadcast_module
 from ..state.buffers import BufferGuard, BufferShare, module_buffers
 from .gradsync import GradSync
@@ -74,6 +79,9 @@ class DataParallel(nn.Module):
         self.after_forward: Callable[[tuple, dict, object], None] | None = None  # (args, kwargs, output): keys the
         # random streams after a training forward, and the replay audit fingerprints it
         self.on_shard: Callable[[int], None] | None = None  # a virtual shard's forward begins: key its draws
+        rt = runtime.active()
+        if rt is not None and rt.generation == 1 and rt.group is not None:  # the job's first run: every rank is here
+            self.broadcast_from(0, rt.group)
         DataParallel.instances.add(self)
 
     @property
@@ -166,7 +174,7 @@ class DataParallel(nn.Module):
 
     def broadcast_from(self, src: int, group: dist.ProcessGroup) -> None:
         """Every rank takes `src`'s parameters and buffers (a fresh job's start)."""
-        broadcast_module(self.module, src, group)
+        broadcast_module(self.module, src, group)  # trainguard's own collectives (transfer.py)
 
     def forward(self, *args, **kwargs):
         if self.on_forward is not None:
