@@ -209,3 +209,14 @@ def test_torchrun_scheduler_child_killed_mid_run_is_restarted_bit_identically(tm
     assert sum(e["event"] == "finished" for e in events(hit)) == 2
     for r, (a, b) in enumerate(zip(finals(base, 2), finals(hit, 2))):
         assert_identical(a, b, f"rank {r}")
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_the_scripts_own_options_after_it_are_the_scripts_as_under_torchrun(command) -> None:
+    """A blind SimCLR port's `--sched cosine` ended `trainguard run` with "ambiguous option: --sched could match
+    --sched-host, --sched-port" (exit 2); torchrun passes it on. Whatever follows the script is the script's, an
+    option trainguard also has (`--workers`) too."""
+    from trainguard.launch.cli import build_parser
+
+    args = build_parser().parse_args([command, "--workers", "3", "train.py", "--sched", "cosine", "--workers", "9"])
+    assert (args.script, args.script_args, args.workers) == ("train.py", ["--sched", "cosine", "--workers", "9"], 3)

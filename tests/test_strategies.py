@@ -142,6 +142,8 @@ def test_agent_exit_codes():
     assert code == EXIT_FAULT_STOP and "step 5: gloo" in msg
     root = Failure("worker 1", 11, -9)
     assert ended_exit(False, [stop], root, 0) == (1, failure_summary(root, 0))
+    code, msg = ended_exit(False, [stop], root, 1, done=True)  # killed after every rank's script ended: nothing to redo
+    assert code == 0 and "the job finished" in msg and "worker 1 (pid 11) was killed by signal SIGKILL" in msg, msg
     assert signalled_exit([EXIT_PREEMPTED, 0], signal.SIGTERM)[0] == EXIT_PREEMPTED
     assert signalled_exit([EXIT_PREEMPTED, -9], signal.SIGTERM) == (128 + signal.SIGTERM, "")
     assert signalled_exit([0, 0], signal.SIGINT) == (128 + signal.SIGINT, "")

@@ -47,7 +47,8 @@ def test_a_script_with_state_of_its_own_is_named_with_its_first_differing_step_a
                   "tests/jobs/own_generator.py", str(tmp_path / "out"))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9 in a step"))
-    assert "differs from step 5: rank " in row and "model.0." in row, row  # the first differing step and tensor
+    assert "differs from step 5 (at step 8, first in each part: rank " in row, row  # the first differing step
+    assert "rank 0: model.0.bias)" in row, row  # and the tensor of each part that differs, at the last step
     assert "NOT bit-identical from step 4: the inputs of rank" in row, row  # the replay audit's diagnosis
     assert "NOT identical" in proc.stdout
     run = tmp_path / "mid-step"
@@ -69,15 +70,16 @@ def test_a_generator_of_the_scripts_own_drawn_at_every_step_is_exact(tmp_path):
     the script's generators at every commit, so the replayed steps draw the batches they drew the first time (it
     used to differ from the step the job went back to, as the iterator does). The epoch-end fault asked for does not
     come within 6 steps: verify says so and exits 1 (it used to end "every run is identical", exit 0: a blind port's
-    finding)."""
+    finding), and so does a collective fault past the run's end (a blind SimCLR port's `at:all_reduce:99999`)."""
     proc = subprocess.run([sys.executable, "-m", "trainguard", "verify", "--steps", "6", "--faults",
-                           "mid-step,epoch-end", "--workers", "3", "tests/jobs/own_generator.py", str(tmp_path / "o")],
+                           "mid-step,epoch-end,at:all_reduce:99999", "--workers", "3", "tests/jobs/own_generator.py", str(tmp_path / "o")],
                           cwd=REPO, env=env(OWN_DRAW="generator"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "  kill -9 in a step: identical" in proc.stdout, proc.stdout[-3000:]
     assert "not run: epoch-end (no epoch ended within 6 steps)" in proc.stdout
     assert "NOT verified: epoch-end asked for and not run; give a larger --steps" in proc.stdout
-    assert "every run is identical" not in proc.stdout
+    assert "  kill -9 at a collective: the fault never came: all_reduce #99999 is not in the run's first 6" in proc.stdout
+    assert "NOT verified: see the rows above" in proc.stdout and "every run is identical" not in proc.stdout
 
 
 def test_bad_flags_are_refused_before_anything_runs():
@@ -109,7 +111,7 @@ def test_a_script_that_is_not_reproducible_is_told_apart_from_a_fault(tmp_path):
                           cwd=REPO, env=env(TG_EXACT="", OWN_SEED="urandom"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9 after a commit"))
-    assert "differs from step 1: " in row and "before the fault: the script does not make the same steps twice" in row, row
+    assert "differs from step 1 (" in row and "before the fault: the script does not make the same steps twice" in row, row
 
 
 def test_a_run_with_the_same_tensors_whose_audit_speaks_is_a_difference(tmp_path):
@@ -124,3 +126,18 @@ def test_a_run_with_the_same_tensors_whose_audit_speaks_is_a_difference(tmp_path
     row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("kill -9 outside a step"))
     assert "same state, audit differs" in row and "did not run again" in row, proc.stdout
     assert "every run is identical" not in proc.stdout
+
+
+def test_a_difference_is_named_in_each_part_of_the_state():
+    """A lost update differs in the model and the optimizer; verify named only `extra.model_ema...` (first in sorted
+    order), so a blind timm port's report read as an EMA problem."""
+    import torch
+
+    from trainguard.launch.verify import differences
+
+    a = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {0: {"m": torch.ones(1)}}},
+         "extra": {"ema": {"x": torch.zeros(1)}, "meter": {"n": 1}}}
+    b = {"model": {"w": torch.zeros(2)}, "optimizer": {"state": {0: {"m": torch.zeros(1)}}},
+         "extra": {"ema": {"x": torch.ones(1)}, "meter": {"n": 1}}}
+    assert differences(a, b) == "extra.ema.x, model.w, optimizer.state.0.m"
+    assert differences(a, a) is None

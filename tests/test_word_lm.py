@@ -6,12 +6,14 @@ left to differ after a fault.
   the fix (before: a kill sent the loop back to its first epoch, 240 steps instead of 144, exit 0).
 - The fix it names, a loop from `start_step()`, runs; the hidden state it carries across steps is named at once,
   with what to do (rank 0, once).
+- The other fix, the chunks as a dataset under `tg.DataLoader(batch_size=None)` (a TypeError at the second epoch
+  before), is bit-identical after a kill mid-epoch and at an epoch's end.
 """
 
 import subprocess
 import sys
 
-from harness import REPO, env
+from harness import REPO, env, verify_identical
 
 from trainguard.exitcodes import EXIT_CONFIG_ERROR
 
@@ -39,3 +41,9 @@ def test_a_hidden_state_carried_across_steps_is_named_at_once(tmp_path):
     said = [line for line in out.splitlines() if "takes as an input what its forward of an earlier step returned" in line]
     assert len(said) == 1 and said[0].startswith("[worker 0]") and "register_state" in said[0], out[-3000:]
     assert "at step 1 " in said[0] and "epoch 0 done" in out, said
+
+
+def test_the_chunks_as_a_dataset_under_a_loader_without_batching_are_bit_identical_after_kills(tmp_path):
+    proc = verify_identical(tmp_path, JOB, "mid-step,epoch-end", ["--loop", "loader", "--epochs", "3"], steps=14,
+                            workers=3)
+    assert "right after step 6, the first epoch's last" in proc.stdout, proc.stdout

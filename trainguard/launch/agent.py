@@ -33,24 +33,9 @@ from . import relay
 from .children import Child, signal_alive, wait_exits
 from .exitreport import report_death
 from .forked import Process, ZygoteLink, room_for, start_process, start_zygote
-from .policy import (
-    TORCHELASTIC_RESTART_COUNT,
-    Action,
-    Decision,
-    Failure,
-    LaunchSpec,
-    decide_exit,
-    ended_exit,
-    failure_summary,
-    job_exit_code,
-    scheduler_env,
-    signal_name,
-    signalled_exit,
-    spare_cmd,
-    spare_env,
-    worker_cmd,
-    worker_env,
-)
+from .policy import (TORCHELASTIC_RESTART_COUNT, Action, Decision, Failure, LaunchSpec, decide_exit, ended_exit,
+                     failure_summary, job_exit_code, scheduler_env, signal_name, signalled_exit, spare_cmd, spare_env,
+                     worker_cmd, worker_env)
 from .relocate import Relocation
 from .spare_pool import SparePool, activate
 
@@ -185,8 +170,11 @@ class Supervisor:
                 return self._final_code()
 
     def _final_code(self) -> int:
+        ends = [e for e in self._events() if e.get("event") == "job_end"]  # the scheduler's, and its exit: done
+        done = bool(ends) and ends[-1].get("state") == "done" and self.scheduler is not None and \
+            self.scheduler.popen is not None and self.scheduler.popen.returncode == 0
         code, message = ended_exit(self.preempted, self.fault_stops, self.root, self.restarts_used,
-                                   self._gasp_saved(), self.spec.rerun)
+                                   self._gasp_saved(), self.spec.rerun, done=done)
         elsewhere = self.relocation.failed_elsewhere if self.relocation is not None else None
         if code == 0 and elsewhere is not None:  # failed on another host
             code, message = 1, f"trainguard: the job failed: {elsewhere}"

@@ -62,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--parent-pid", type=int, help="end when this process (the one that started it) dies")
     sched.set_defaults(handler=_scheduler)
 
-    run = sub.add_parser("run", help="start and supervise this host's workers (and the scheduler on node rank 0)")
+    # allow_abbrev=False (run, verify): a script's own option after the script (`--sched cosine`) is never taken for a
+    # prefix of trainguard's (`--sched-host`), as torchrun passes it on
+    run = sub.add_parser("run", help="start and supervise this host's workers (and the scheduler on node rank 0)",
+                         allow_abbrev=False)
     add_run_arguments(run)
     run.set_defaults(handler=_run)
 
@@ -81,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("verify", help="run a script N steps without a fault, then once per fault (kill -9 in a "
                            "step, after a commit, outside a step, at an epoch's end; SIGTERM and a rerun), and compare "
                            "every tensor", description=verify.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     verify.add_arguments(check)
     add_run_arguments(check)
     check.set_defaults(handler=verify.main)

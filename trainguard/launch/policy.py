@@ -182,16 +182,19 @@ def resume_advice(saved: bool | None, rerun: str = RERUN) -> str:
         return f"{rerun} to resume from its dying-gasp checkpoint, if one is configured"
     if saved:
         return f"{rerun} to resume from its dying-gasp checkpoint"
-    return ("no dying-gasp checkpoint was saved (none is configured), so running the same command again "
-            "starts over")
+    return "no dying-gasp checkpoint was saved (none is configured), so running the same command again starts over"
 
 
 def ended_exit(preempted: bool, fault_stops: list[Failure], root: Failure | None,
-               restarts_used: int, saved: bool | None = None, rerun: str = RERUN) -> tuple[int, str]:
-    """Every worker has left: (the agent's exit code, its last message). 75 after a graceful exit; after
-    a stop on a fault, the root cause's code (the first worker that stopped if nothing else failed); else 0."""
+               restarts_used: int, saved: bool | None = None, rerun: str = RERUN, *,
+               done: bool = False) -> tuple[int, str]:
+    """Every worker has left: (exit code, last message). 75 after a graceful exit; after a stop on a fault, the root
+    cause's code (or the first stop's), unless the job ended `done` (every rank ran its script to the end): else 0."""
     if fault_stops and not preempted:
         cause = root or fault_stops[0]
+        if done:
+            return 0, (f"trainguard: the job finished: every rank ran its script to the end; {cause.describe()} "
+                       "after that, with nothing left to redo")
         return exit_code_for(cause.returncode), failure_summary(cause, restarts_used)
     if preempted:
         return EXIT_PREEMPTED, ("trainguard: the job stopped gracefully (exit code 75) at a commit point; "

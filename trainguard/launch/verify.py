@@ -167,17 +167,32 @@ def compare(clean: Path, other: Path) -> tuple[str, int | None]:
     worst: tuple[int, str] | None = None
     for name in ranks:
         a, b = (unpack((d / name).read_bytes(), str(d / name)) for d in (clean, other))
-        where = first_difference(a["state"], b["state"])
+        where = differences(a["state"], b["state"])
         if where is None:
             continue
         common = sorted(set(a["digests"]) & set(b["digests"]))
         step = next((s for s in common if a["digests"][s] != b["digests"][s]), None)
         rank = name[len("rank_"):-len(".state")]
-        found = (step if step is not None else a["step"], f"rank {rank}: {where}")
+        found = (step if step is not None else a["step"], f"rank {rank}: {where}", a["step"])
         worst = found if worst is None or found < worst else worst
     if worst is None:
         return "identical", None
-    return f"differs from step {worst[0]}: {worst[1]}", worst[0]
+    return f"differs from step {worst[0]} (at step {worst[2]}, first in each part: {worst[1]})", worst[0]
+
+
+def differences(a: dict, b: dict) -> str | None:
+    """The first differing path of each part of two states (model, optimizer, scheduler, each extra), joined: a lost
+    update shows in the model and the optimizer, not only in the first part in sorted order."""
+    from ..checkpoint.codec import WALLCLOCK
+
+    found = []
+    for k in sorted(set(a) | set(b), key=str):
+        x, y = a.get(k), b.get(k)
+        if k == "extra" and isinstance(x, dict) and isinstance(y, dict):  # each registered object is a part
+            found.append(differences({f"extra.{n}": v for n, v in x.items()}, {f"extra.{n}": v for n, v in y.items()}))
+        elif k != WALLCLOCK:
+            found.append(first_difference(x, y, str(k)))
+    return ", ".join(f for f in found if f is not None) or None
 
 
 def diagnosis(recovery: Path) -> str:
@@ -192,6 +207,16 @@ def diagnosis(recovery: Path) -> str:
     said = sorted((e for e in events if e.get("event") in VERDICT_EVENTS), key=lambda e: e.get("ts", 0))
     return verdict_line(said[0]) if said else ""
 
+
+
+def came(recovery: Path) -> bool:
+    """Whether that run's fault was injected (its `fault_injected` event)."""
+    from ..obs.events import EventLog
+
+    try:
+        return any(e.get("event") == "fault_injected" for e in EventLog.read(recovery / "events.jsonl"))
+    except OSError:
+        return False
 
 
 def main(args: argparse.Namespace) -> int:
@@ -243,6 +268,9 @@ def main(args: argparse.Namespace) -> int:
             code, again, last = run(case.name, {})
             took += again
         result, step = compare(clean, root / case.name / "state") if code == 0 else (f"exit {code}: {last[:160]}", None)
+        if code == 0 and not came(root / case.name / "recovery"):  # a step or a call past the run's end, say
+            result, step = (f"the fault never came: {case.moment} is not in the run's first {own['steps']} steps "
+                            "(a larger --steps, or another N)"), None
         if step is not None and step <= case.before:
             result += (", before the fault: the script does not make the same steps twice (an unseeded generator, the "
                        "clock, a file it reads): seed it, then verify again")
@@ -265,18 +293,19 @@ def main(args: argparse.Namespace) -> int:
         print(f"not run: {name} ({'no collective outside a step' if name == 'outside' else 'no epoch ended'} "
               f"within {own['steps']} steps)")
     asked = any(a == "--faults" or a.startswith("--faults=") for a in args.argv[:len(args.argv) - len(args.script_args)])
-    if skipped and asked and not failed:  # asked for by name: a CI line must not pass on faults never tried
+    if skipped and asked:  # asked for by name: a CI line must not pass on faults never tried
         print(f"NOT verified: {', '.join(skipped)} asked for and not run; give a larger --steps (an epoch's end or a "
               "collective outside a step must come within it; code at the top of the loop body, after the batch is "
               "taken, is the step's own, so a script whose collectives are all there has none outside a step: at:OP:N "
               f"kills in it), or leave {', '.join(skipped)} out of --faults")
-        return 1
     if failed:
         audited = any(row[3] == "same state, audit differs" for row in rows)
-        print(f"NOT identical: see the rows above; each run's log is in {root}/<fault>/launcher.log" + (
+        differ = [row for row in rows[1:] if row[3] != "identical" and not row[3].startswith("the fault never came")]
+        print(f"NOT {'identical' if differ else 'verified'}: see the rows above; each run's log is in {root}/<fault>/launcher.log" + (
               " (\"same state, audit differs\": every tensor is the same, but the run skipped or changed what the state "
               "does not hold, such as an eval line, a logged metric or a save; the audit column says what and the fix)"
               if audited else ""))
+    if failed or (skipped and asked):
         return 1
     print("every run is identical to the one without a fault")
     if own["keep"] is None:

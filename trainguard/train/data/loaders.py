@@ -196,7 +196,7 @@ class _TrainingBatches(numbering.ResumedPass):
     def _from_position(self):
         session, loader = self.guard.session, self.loader
         if not replays(loader):
-            loader.sampler.set_position(session.in_epoch * loader.batch_size)
+            loader.sampler.set_position(session.in_epoch * (loader.batch_size or 1))  # None: a sample a batch
             self.fetches = _Fetches(loader, session.epoch, session.in_epoch)  # each fetch is keyed (streams.py)
             return loader.quiet_iter(session)
         # no position to set: read the pass again up to the committed batch, from a saved state where the stream

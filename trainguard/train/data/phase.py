@@ -41,7 +41,7 @@ def reshard(phase: Phase, *, rt, sampler, loader, epoch: int, in_epoch: int) -> 
     if phase.shards == rt.world_size:
         return phase, epoch, in_epoch
     sampler.set_epoch(epoch)
-    position = (in_epoch - phase.start) * loader.batch_size
+    position = (in_epoch - phase.start) * (loader.batch_size or 1)  # batch_size=None: a sample a batch
     base = sampler.consumed(position, base=phase.base, num_shards=phase.shards)
     new = Phase(base, in_epoch, rt.world_size)
     sampler.set_phase(base, rt.world_size, rt.rank)
