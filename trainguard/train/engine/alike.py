@@ -4,7 +4,7 @@
 holder keeps alike and a replacement takes from a peer. An object whose values differ between ranks loses the
 dead rank's values at the first fault, and the run goes on from a peer's: exit 0, other bits. The common case is an
 EMA copied from the model before `DDP(...)` gave every rank rank 0's weights (timm's `ModelEmaV2` is made there,
-after a seed of `seed + rank`). At a fresh start the ranks compare one digest of each such object, once (one
+after a seed of `seed + rank`). At a fresh start the ranks compare a sampled digest of each such object, once (one
 all-gather of a few bytes each), and rank 0 names the first that differs and the fix. Trainguard's and the framework
 integrations' own objects are left out: they hold per-rank parts by design (the transformers Trainer's loss sums
 gathered from every rank, each loader's start).
@@ -12,11 +12,14 @@ gathered from every rank, each loader's start).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 
+import torch
+
 from ...worker.transfer import all_gather_bytes
-from .probe import digest
+from .audit import mark
 
 log = logging.getLogger("trainguard.session")
 
@@ -39,10 +42,34 @@ def message(name: str, ranks: list[int]) -> str:
             "make the object's values the same on every rank")
 
 
+def fingerprint(obj) -> str:
+    """A digest of `obj` (a state dict) from each tensor's dtype, shape and about a thousand sampled elements (the
+    replay audit's marks: a large EMA costs microseconds, not a pass over its bytes) and every other value."""
+    h = hashlib.sha256()
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            m = mark(x)
+            sample = m.sample if isinstance(m.sample, bytes) else m.sample.cpu().reshape(-1).view(torch.uint8).numpy()
+            h.update(f"{m.dtype}{list(m.shape)}".encode() + bytes(sample))
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(repr(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                walk(item)
+        else:
+            h.update(repr(x).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
 def check(extra: dict, group) -> list[str]:
     """At a fresh start, on every rank together: the messages for the registered objects that differ between ranks
     (rank 0 logs them)."""
-    mine = {name: digest(obj.state_dict()) for name, obj in sorted(extra.items()) if not name.startswith(OWN)}
+    mine = {name: fingerprint(obj.state_dict()) for name, obj in sorted(extra.items()) if not name.startswith(OWN)}
     if not mine:
         return []
     gathered = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode(), group)]
