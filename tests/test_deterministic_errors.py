@@ -283,3 +283,51 @@ def test_a_second_ddp_training_beside_the_held_model_is_refused_at_once(tmp_path
     """)
     proc, _ = _run(tmp_path, script)
     _check_ended_at_once(proc, "a second trainguard.DDP (Linear, 5 parameters) trains beside the model trainguard holds")
+
+
+@pytest.mark.timeout(120)
+def test_a_second_torch_optimizer_over_the_held_models_parameters_is_refused_at_once(tmp_path: Path) -> None:
+    """A blind DLRM port wrapped the dense part's Adam in trainguard.Optimizer and left the embeddings' Adagrad as it
+    was: its state was never committed, and a kill at an epoch's end gave 42 of 52 tensors other bits, exit 0, "lost 0
+    steps". Refused at the first step now; and an object that is not a torch optimizer (torchrec's CombinedOptimizer
+    of both, whose state_dict has no param_groups: a recovery crashed on it) is refused where it is wrapped."""
+    script = _script(tmp_path, """
+        import torch, torch.distributed as dist
+        import trainguard as tg
+        dist.init_process_group("gloo")
+        model = tg.DDP(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)))
+        dense = tg.Optimizer(torch.optim.Adam(model.module[1].parameters()))
+        sparse = torch.optim.Adagrad(model.module[0].parameters())
+        for step in range(tg.start_step(), 8):
+            model(torch.randint(0, 10, (8,))).mean().backward()
+            sparse.step()
+            dense.step()
+    """)
+    proc, _ = _run(tmp_path, script)
+    _check_ended_at_once(proc, "another torch optimizer (Adagrad) steps parameters of the model trainguard holds")
+
+    class Combined:  # torchrec's shape: optimizers side by side, no param_groups of its own
+        def __init__(self, *optimizers):
+            self.optimizers = optimizers
+
+    import torch
+
+    import trainguard as tg
+    from trainguard.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="wraps one torch.optim.Optimizer, not a Combined"):
+        tg.Optimizer(Combined(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)))
+
+
+def test_sparse_embedding_gradients_are_refused_where_the_model_is_wrapped() -> None:
+    """A blind DLRM port's `EmbeddingBag(sparse=True)` failed at its first exchange with torch's "Cannot access data
+    pointer of Tensor that doesn't have storage", inside trainguard's code."""
+    import torch
+
+    import trainguard as tg
+    from trainguard.errors import ConfigError
+
+    tables = torch.nn.ModuleDict({"user": torch.nn.EmbeddingBag(10, 4, sparse=True)})
+    with pytest.raises(ConfigError, match="user makes sparse gradients"):
+        tg.DDP(tables)
+    tg.DDP(torch.nn.ModuleDict({"user": torch.nn.EmbeddingBag(10, 4)}))  # dense: fine

@@ -55,7 +55,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from typing import Any, NoReturn
 
 from .. import signals
@@ -207,8 +206,8 @@ class Zygote:
             code: Any = importlib.import_module(main).main(argv)
         except SystemExit as exc:
             code = exc.code
-        except BaseException:  # noqa: BLE001 - as the interpreter would report it
-            traceback.print_exc()
+        except BaseException:  # noqa: BLE001 - as the interpreter would report it: through sys.excepthook, which
+            sys.excepthook(*sys.exc_info())  # trainguard.init() chains, so the goodbye says the process failed
             code = 1
         end_process(code)
 

@@ -5,6 +5,8 @@ what would train outside it is refused there, naming the fix, instead of trainin
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ...errors import ConfigError
@@ -29,3 +31,15 @@ def check(model, optimizer: torch.optim.Optimizer, registered) -> None:
                               "gradients would not be averaged over the ranks, nor its state recovered. trainguard "
                               "holds one model and one optimizer a process, one update a step: two networks with "
                               "optimizers of their own (a GAN's generator and discriminator) are not covered")
+    loose = {id(p) for p in model.parameters() if p.requires_grad} - params if model is not None else set()
+    for other in _optimizers() if loose else ():  # the model's parameters the optimizer does not step: does another?
+        if other is not optimizer and any(id(p) in loose for g in other.param_groups for p in g["params"]):
+            raise ConfigError(f"another torch optimizer ({type(other).__name__}) steps parameters of the model "
+                              "trainguard holds that trainguard.Optimizer does not: its state would be neither "
+                              "committed nor recovered, and the run would differ after a fault. trainguard holds one "
+                              "optimizer a process: give every parameter to the one trainguard.Optimizer wraps (a "
+                              "DLRM's embedding tables as dense ones under the same optimizer)")
+
+
+def _optimizers() -> list:
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]

@@ -18,6 +18,12 @@ class Optimizer:
                  checkpoints: ShardedCheckpoints | None = None):
         if isinstance(optimizer, Optimizer):
             raise ConfigError("this optimizer is wrapped twice in trainguard.Optimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):  # its state_dict()'s param_groups are the commit's
+            raise ConfigError(f"trainguard.Optimizer wraps one torch.optim.Optimizer, not a {type(optimizer).__name__}: "
+                              "several optimizers combined in one object (torchrec's CombinedOptimizer, a DLRM's "
+                              "SparseAdam beside Adam) are not covered, since trainguard holds one model, one "
+                              "optimizer, one update a step; train with one torch optimizer (Adagrad or Adam over "
+                              "dense embeddings)")
         for name in ("state_dict", "load_state_dict"):
             if lr_scheduler is not None and not callable(getattr(lr_scheduler, name, None)):
                 raise ConfigError(f"lr_scheduler has no {name}(): give a torch LR scheduler or any object with "

@@ -64,6 +64,12 @@ class DataParallel(nn.Module):
         if process_group is not None:
             raise ConfigError("DataParallel(process_group=...) is not supported: trainguard builds a new group for "
                               "every generation and attaches the wrapper to it; leave process_group out")
+        sparse = [name for name, m in module.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+        if sparse:
+            raise ConfigError(f"{sparse[0] or 'the module'} makes sparse gradients (sparse=True), which trainguard.DDP's "
+                              "exchange does not carry (a fixed layout of dense buckets): build it with sparse=False "
+                              "(its gradient is then a dense tensor, exchanged and recovered as any other)")
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         object.__setattr__(self, "sync", GradSync(module, bucket_cap_mb=bucket_cap_mb))
