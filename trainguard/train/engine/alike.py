@@ -12,14 +12,11 @@ gathered from every rank, each loader's start).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 
-import torch
-
 from ...worker.transfer import all_gather_bytes
-from .audit import mark
+from .probe import digest
 
 log = logging.getLogger("trainguard.session")
 
@@ -42,34 +39,10 @@ def message(name: str, ranks: list[int]) -> str:
             "make the object's values the same on every rank")
 
 
-def fingerprint(obj) -> str:
-    """A digest of `obj` (a state dict) from each tensor's dtype, shape and about a thousand sampled elements (the
-    replay audit's marks: a large EMA costs microseconds, not a pass over its bytes) and every other value."""
-    h = hashlib.sha256()
-
-    def walk(x) -> None:
-        if isinstance(x, torch.Tensor):
-            m = mark(x)
-            sample = m.sample if isinstance(m.sample, bytes) else m.sample.cpu().reshape(-1).view(torch.uint8).numpy()
-            h.update(f"{m.dtype}{list(m.shape)}".encode() + bytes(sample))
-        elif isinstance(x, dict):
-            for k in sorted(x, key=str):
-                h.update(repr(k).encode())
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            for item in x:
-                walk(item)
-        else:
-            h.update(repr(x).encode())
-
-    walk(obj)
-    return h.hexdigest()
-
-
 def check(extra: dict, group) -> list[str]:
     """At a fresh start, on every rank together: the messages for the registered objects that differ between ranks
     (rank 0 logs them)."""
-    mine = {name: fingerprint(obj.state_dict()) for name, obj in sorted(extra.items()) if not name.startswith(OWN)}
+    mine = {name: digest(obj.state_dict(), sampled=True) for name, obj in sorted(extra.items()) if not name.startswith(OWN)}
     if not mine:
         return []
     gathered = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode(), group)]

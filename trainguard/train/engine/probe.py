@@ -19,6 +19,7 @@ import torch
 
 from ...checkpoint.blob import pack
 from ...checkpoint.codec import WALLCLOCK
+from .audit import mark
 from .callbacks import Callback
 
 VERIFY_DIR_ENV, VERIFY_STEPS_ENV = "TG_VERIFY_DIR", "TG_VERIFY_STEPS"
@@ -30,13 +31,18 @@ _installed = [False]
 _first_epoch: list[int | None] = [None]  # the epoch of the run's first step: 0, or 1 for a loop numbered from 1
 
 
-def digest(obj) -> str:
+def digest(obj, sampled: bool = False) -> str:
     """sha256 over every tensor's dtype, shape and bytes and every other value of `obj` (nested dicts, lists), in a
-    fixed order: the same state gives the same digest on any rank (also testing.consistency's replica check)."""
+    fixed order: the same state gives the same digest on any rank (also testing.consistency's replica check).
+    `sampled`: a tensor's bytes are the replay audit's ~1,024 sampled elements (a large EMA costs microseconds)."""
     h = hashlib.sha256()
 
     def walk(x) -> None:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and sampled:
+            m = mark(x)
+            data = m.sample if isinstance(m.sample, bytes) else m.sample.cpu().reshape(-1).view(torch.uint8).numpy()
+            h.update(f"{m.dtype}{list(m.shape)}".encode() + bytes(data))
+        elif isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous().reshape(-1)
             h.update(f"{t.dtype}{list(x.shape)}".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
