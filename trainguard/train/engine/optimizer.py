@@ -24,6 +24,12 @@ class Optimizer:
                               "SparseAdam beside Adam) are not covered, since trainguard holds one model, one "
                               "optimizer, one update a step; train with one torch optimizer (Adagrad or Adam over "
                               "dense embeddings)")
+        if _shards_its_state(optimizer):
+            raise ConfigError("trainguard.Optimizer cannot hold a ZeroRedundancyOptimizer: each rank keeps only its "
+                              "own slice of the optimizer state, which trainguard neither holds nor can give a "
+                              "replacement; wrap its optimizer_class directly (torch.optim.Adam(model.parameters(), "
+                              "...)), or shard the model and its optimizer state with trainguard.fully_shard (FSDP2), "
+                              "whose slices trainguard keeps and restores")
         for name in ("state_dict", "load_state_dict"):
             if lr_scheduler is not None and not callable(getattr(lr_scheduler, name, None)):
                 raise ConfigError(f"lr_scheduler has no {name}(): give a torch LR scheduler or any object with "
@@ -66,3 +72,8 @@ class Optimizer:
         if name in ("optimizer", "guard", "lr_scheduler", "checkpoints"):  # not set yet (e.g. a copy under construction)
             raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+
+def _shards_its_state(optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # here: torch.distributed.optim loads rpc's modules
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
