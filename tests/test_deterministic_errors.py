@@ -353,3 +353,38 @@ def test_a_zero_redundancy_optimizer_is_refused_naming_what_to_wrap_instead(tmp_
                           timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert "refused: trainguard.Optimizer cannot hold a ZeroRedundancyOptimizer" in proc.stdout, proc.stderr[-2000:]
     assert "torch.optim.Adam(model.parameters()" in proc.stdout and "trainguard.fully_shard" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_spawns_its_own_ranks_ends_the_job_at_once_naming_the_fix(tmp_path: Path) -> None:
+    """pytorch/examples' imagenet (MoCo, SimSiam) run as it is run by hand, `--multiprocessing-distributed`: its
+    `mp.spawn(main_worker, ...)` made ranks of its own inside each worker. They raised "trainguard.init() has not been
+    called in this process"; each worker exited 1, was restarted three times, and the launcher gave up after a
+    minute, blaming a crash loop. Now the spawn is refused in the worker: exit 78 at once, naming the flags to drop."""
+    script = _script(tmp_path, """
+        import argparse, torch, torch.distributed as dist, torch.multiprocessing as mp
+        import trainguard as tg
+
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--multiprocessing-distributed", action="store_true")
+        args = parser.parse_args()
+
+        def main_worker(gpu, ngpus_per_node, args):
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:23456", world_size=2, rank=gpu)
+            tg.DDP(torch.nn.Linear(2, 2))
+
+        def main():
+            if args.multiprocessing_distributed:
+                mp.spawn(main_worker, nprocs=2, args=(2, args))
+            else:
+                main_worker(0, 2, args)
+
+        if __name__ == "__main__":
+            main()
+    """)
+    proc = subprocess.run([sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "0",
+                           "--recovery-path", str(tmp_path / "rec"), str(script), "--multiprocessing-distributed"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=110)
+    (tmp_path / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    summary = _check_ended_at_once(proc, "torch.multiprocessing.spawn() before the job's group is joined")
+    assert "leave out --multiprocessing-distributed" in summary and "--dist-url env://" in summary, summary

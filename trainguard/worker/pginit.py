@@ -38,6 +38,35 @@ def install() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and getattr(dist, "init_process_group", None) is _original:
         dist.init_process_group = wrapped  # else torch.distributed's own `from .distributed_c10d import *` copies it
+    refuse_spawned_ranks(sys.modules.get("torch.multiprocessing"))
+
+
+def refuse_spawned_ranks(mp) -> None:
+    """`torch.multiprocessing.spawn()` (and `start_processes`) before the job's group is joined: a script that starts
+    its ranks itself (pytorch/examples' imagenet, MoCo and SimSiam with `--multiprocessing-distributed`). Under
+    `trainguard run` each rank is already a process of the job; the spawned ones are nobody's ranks (their
+    `init_process_group` found a rendezvous of their own, their `trainguard.DDP` no job), and their failure reached
+    the launcher as the worker's exit 1, restarted until it gave up. A ConfigError here ends the job at once."""
+    if mp is None:
+        return
+    for name in ("spawn", "start_processes"):
+        original = getattr(mp, name, None)
+        if original is None or getattr(original, "__trainguard_wrapped__", False):
+            continue
+        refusing = functools.wraps(original)(functools.partial(_refuse_before_join, original))
+        refusing.__trainguard_wrapped__ = True
+        setattr(mp, name, refusing)
+
+
+def _refuse_before_join(original, *args, **kwargs):
+    if not sys.modules[C10D].is_initialized():
+        raise ConfigError("torch.multiprocessing.spawn() before the job's group is joined: under `trainguard run` "
+                          "every rank is already a process of the job (`--workers N` on each host), so the script must "
+                          "not start its ranks itself; call the rank's function directly in this process (for "
+                          "pytorch/examples' imagenet: leave out --multiprocessing-distributed, --world-size and "
+                          "--rank, and give --dist-url env://, so that it reads the job's RANK and WORLD_SIZE), and "
+                          "give the number of ranks to `trainguard run --workers`")
+    return original(*args, **kwargs)
 
 
 def check_request(backend, world_size, rank, *, job_backend: str, job_world: int, job_rank: int) -> None:
