@@ -72,6 +72,30 @@ def test_collectives_that_do_not_match_end_the_job_naming_both_calls(tmp_path, m
     assert "Likely cause" in proc.stderr
 
 
+def test_ranks_whose_updates_part_end_the_job_naming_them_and_the_fix(tmp_path):
+    """Rank 1 skips one optimizer.step() after its backward, as a script does that decides on one rank's own loss. The
+    exchanges still pair one to one, so nothing hung or failed: the job exited 0 with the replicas parted. Each rank's
+    committed step now rides in the exchange beside its stop vote (train/engine/lockstep.py)."""
+    proc, _ = run(tmp_path, DESYNC_JOB, "update", str(tmp_path))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_DESYNC, log[-4000:]
+    assert "done" not in proc.stdout, log[-4000:]
+    desyncs = [e for e in events(tmp_path) if e["event"] == "desync"]
+    assert desyncs and all(e["action"] == "end" for e in desyncs), desyncs
+    assert "rank(s) [1] had made fewer optimizer steps than rank(s) [0, 2]" in desyncs[0]["detail"], desyncs
+    assert "decide from a value every rank shares" in proc.stderr, log[-4000:]
+
+
+def test_the_stop_vote_and_the_committed_step_share_a_slot_exactly():
+    from trainguard.train.engine import lockstep
+
+    values = [lockstep.control(signum, step) for signum, step in ((0, 7), (15, 7), (0, 7 + lockstep.CYCLE))]
+    assert all(v < 2 ** 24 and float(torch.tensor(float(v), dtype=torch.float32)) == v for v in values)
+    assert lockstep.stop_vote(values) == 15 and lockstep.parted(values) is None  # the same step, modulo CYCLE
+    assert lockstep.control(10, lockstep.CYCLE - 1) < 2 ** 24
+    assert "rank(s) [1] had made fewer" in lockstep.parted([lockstep.control(0, 8), lockstep.control(0, 7)])
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted")

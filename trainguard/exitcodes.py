@@ -12,8 +12,9 @@
                            trainguard.ConfigError; launch/worker_main.py), which a restart would only raise
                            again: the agent ends the job at once. It is EX_CONFIG of sysexits.h
     79   EXIT_DESYNC       the ranks called collectives that do not match (another operation, another shape,
-                           one rank skipping a call): a bug in the script, which a restart would meet
-                           again, so the job ends (control/waits.py). trainguard's own code, outside sysexits.h
+                           one rank skipping a call), or made different updates (train/engine/lockstep.py): a
+                           bug in the script, which a restart would meet again, so the job ends
+                           (control/waits.py). trainguard's own code, outside sysexits.h
     80   EXIT_NOT_EXACT    under `--exact strict`: a step replayed after a fault differed from its first run
                            (train/engine/audit.py); the committed state's dying gasp was saved
 
@@ -28,7 +29,7 @@ EXIT_FAULT_STOP = 76
 EXIT_CONFIG_ERROR = 78  # EX_CONFIG: a deterministic error in a worker's script; never restarted
 EXIT_DESYNC = 79  # the ranks called collectives that do not match: a script bug; never restarted
 EXIT_NOT_EXACT = 80  # --exact strict: a replayed step differed from its first run (train/engine/audit.py)
-VERDICTS = {EXIT_DESYNC: "desync: the ranks called collectives that do not match, a bug in the script that a restart "
-                        "would meet again",
+VERDICTS = {EXIT_DESYNC: "desync: the ranks called collectives that do not match, or made different updates, a bug in "
+                        "the script that a restart would meet again",
             EXIT_NOT_EXACT: "not bit-identical: a step replayed after a fault differed from its first run "
                             "(--exact strict)"}  # exit codes of verdicts on the script: never restarted

@@ -5,6 +5,7 @@ write them: every rank but one reduces a flag the others do not.
     shape  rank 1 all_reduces a flag of 8 numbers, the others of 4 (gloo aborts a rank at once)
     skip   rank 1 skips the flag's all_reduce and goes on to its next step (gloo aborts a rank at once)
     end    rank 1 stops training after step 5; the others all_reduce the flag at the end
+    update rank 1 skips step 5's optimizer.step() after its backward (as on a loss of its own over a limit)
 
 Rank 1 writes when it reached the mismatch to OUT/mismatch_at (the second argument).
 """
@@ -33,7 +34,8 @@ for step in range(tg.start_step(), 12):
     loss = model(x).pow(2).mean()
     optimizer.zero_grad()
     loss.backward()
-    optimizer.step()
+    if not (mode == "update" and rank == 1 and step == 5):  # `if loss.item() > limit: continue`, on one rank
+        optimizer.step()
     if step == 5:
         if rank == 1:
             with open(os.path.join(out, "mismatch_at"), "w") as f:

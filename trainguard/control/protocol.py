@@ -83,6 +83,7 @@ class FailureKind(str, enum.Enum):
     COLLECTIVE = "collective"  # a survivor's collective failed
     EXCEPTION = "exception"  # the worker raised and gave up
     NOT_EXACT = "not_exact"  # --exact strict: a step it replayed differed from its first run (the job ends)
+    DESYNC = "desync"  # its ranks' updates parted (train/engine/lockstep.py): a script bug (the job ends)
 
 
 # --- requests -------------------------------------------------------------------

@@ -351,8 +351,8 @@ class Scheduler:
         node = self.current(req.node_id, req.incarnation)
         if isinstance(node, p.Error):
             return node
-        if req.kind is p.FailureKind.NOT_EXACT:  # --exact strict: a replayed step differed; the job ends
-            self.watch.not_exact(node, req.detail)
+        if req.kind in (p.FailureKind.NOT_EXACT, p.FailureKind.DESYNC):  # a verdict a rank found: the job ends
+            self.watch.found(node, req.kind is p.FailureKind.DESYNC, req.detail)
             return p.Ok()
         self.watch.failure(node, req.at)  # two survivors failed in mismatched collectives: a desync
         if self.watch.verdict:  # the job ended on one: the reporter saves its committed state instead of rewinding

@@ -157,11 +157,13 @@ class Watch:
             log.error("%s; the job ends (a bug in the script is never healed as a fault)", for_log(text))
             self.end(EXIT_DESYNC, f"{text}. Likely cause: {ADVICE}")
 
-    def not_exact(self, node: m.Node, detail: str) -> None:
-        """Under --exact strict, `node` replayed a step that differed from its first run (train/engine/audit.py)."""
+    def found(self, node: m.Node, desync: bool, detail: str) -> None:
+        """A verdict `node` found: its ranks' updates parted (`desync`: train/engine/lockstep.py), or under --exact
+        strict it replayed a step that differed from its first run (train/engine/audit.py)."""
         if self.s.cluster.job is m.JobState.RUNNING:
-            log.error("rank %d: %s; the job ends (--exact strict)", node.rank, for_log(detail))
-            self.end(EXIT_NOT_EXACT, f"rank {node.rank}: {detail}")
+            log.error("rank %d: %s; the job ends (%s)", node.rank, for_log(detail),
+                      "a bug in the script is never healed as a fault" if desync else "--exact strict")
+            self.end(EXIT_DESYNC if desync else EXIT_NOT_EXACT, f"rank {node.rank}: {detail}")
 
     def end(self, verdict: int, root_cause: str) -> None:
         """End the job on a verdict about the script; every process exits `verdict`."""

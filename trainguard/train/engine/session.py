@@ -17,8 +17,8 @@ and the random streams of every rank are keyed at fixed points of each step by (
 agreed at the first start (rank 0's `torch.initial_seed()`) and travels with the state, with the count of the last
 committed step's training forwards.
 
-The stop vote (SIGTERM, SIGINT, SIGUSR1) rides in the gradient all-reduce's control slots. What a failure leads to
-follows the recover strategy (strategies.py): recovery in process, or a stop (exit, dump: train/engine/graceful.py).
+The stop vote (SIGTERM, SIGINT, SIGUSR1) and the committed step ride in the exchange's control slots (lockstep.py).
+What a failure leads to follows the recover strategy (strategies.py): recovery in process, or a stop (graceful.py).
 Under elastic, progress also records the sampler's phase (train/data/phase.py), so a restore into another world size
 splits the rest of the epoch over it.
 """
@@ -48,7 +48,7 @@ from ..state.checkpointing import DiskSources
 from ..state.shardckpt import ShardedSaver
 from ..state.streams import Streams
 from ..state.train_state import TrainState, bounded
-from . import audit, rewind
+from . import audit, lockstep, rewind
 from .graceful import StopRequest, stop_gracefully, stop_on_fault
 from .progress import ProgressEvents
 from .recovery import Recovery
@@ -113,7 +113,7 @@ class Session:
                               "or shrink exactly with trainguard.DDP and --virtual-shards")
         self.buffers = guard_for(state.model, state.sharded)  # put back after a step cut short or skipped
         if self.sync is not None:
-            self.sync.control = lambda: self.stop.signum  # the stop vote rides in the gradient all-reduce
+            self.sync.control = lambda: lockstep.control(self.stop.signum, self.step)  # ride in the exchange
             self.sync.after_launch = lambda: self.phase_point("in_exchange")
         if state.optimizer is not None:
             self._hooks = [state.optimizer.register_step_pre_hook(self._before_update),
@@ -143,8 +143,7 @@ class Session:
         return iter(self.state.loader)
 
     def done(self) -> bool:
-        """Training is over: `max_steps` steps, or `epochs` epochs (elastic: an epoch's step count
-        follows the world size)."""
+        """Training is over: `max_steps` steps, or `epochs` epochs (elastic: an epoch's steps follow the world)."""
         if self.user_loop:
             return False
         if self.strategy.elastic and self.cfg.max_steps is None and self.state.loader is not None:
@@ -175,6 +174,7 @@ class Session:
         self.phase_point("after_exchange")
         if self.sync is not None:
             self.sync.result()  # raises CollectiveFailed: the update is not applied
+            lockstep.check(self, self.sync.controls)  # ranks that made other updates: the job ends
 
     def _after_update(self, _opt, _args, _kwargs) -> None:
         self._applied = True
@@ -305,7 +305,7 @@ class Session:
             stop, every = all_max_each([self.stop.signum, self.live.proposal()], self.rt.group)
             self.live.after_commit(every)
         elif sync is not None and sync.controls_fresh():
-            stop = max(sync.controls)
+            stop = lockstep.stop_vote(sync.controls)
         else:  # no gradient exchange this step carried the vote
             stop = all_max(self.stop.signum, self.rt.group)
         if self.first_step_since is not None:
