@@ -45,6 +45,31 @@ def test_enumerate_counts_a_resumed_pass_from_its_first_batch_and_anything_else_
     assert list(numbered("xy", start=5)) == [(5, "x"), (6, "y")] and isinstance(numbered([]), enumerate)
 
 
+def test_enumerate_over_a_generator_counts_from_the_pass_its_first_item_began():
+    """torchvision's `enumerate(metric_logger.log_every(loader, ...))` and `enumerate(tqdm(loader))`: the generator
+    makes the pass when it is first asked for an item."""
+    class Resumed(ResumedPass):
+        def __init__(self, first):
+            self.first, self.items = first, iter("ab")
+            self.begun()
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.items)
+
+    def log_every(make):
+        yield from make()
+
+    assert list(numbered(log_every(lambda: Resumed(7)))) == [(7, "a"), (8, "b")]
+    assert list(numbered(log_every(lambda: Resumed(7)), 1)) == [(8, "a"), (9, "b")]
+    assert list(numbered(log_every(lambda: Resumed(0)))) == [(0, "a"), (1, "b")]
+    earlier = Resumed(4)  # a pass begun before the enumerate was asked: not its first item's
+    assert list(numbered(x for x in earlier)) == [(0, "a"), (1, "b")]
+    assert list(numbered(c for c in "xy")) == [(0, "x"), (1, "y")] and isinstance(numbered(iter(())), enumerate)
+
+
 def test_a_kill_mid_epoch_and_at_its_end_is_bit_identical(tmp_path):
     proc = verify_identical(tmp_path, JOB, "mid-step,epoch-end", [], steps=20, workers=3)
     assert "right after step 8, the first epoch's last" in proc.stdout, proc.stdout

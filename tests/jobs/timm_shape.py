@@ -10,6 +10,11 @@ clipping. Two things made a kill mid-epoch exit 0 with other weights:
 `--ema-before`: the EMA is copied before `DDP(...)`, as timm does it: each rank's differs, which the job says at its
 start (train/engine/alike.py).
 
+The batches come through torchvision's `MetricLogger.log_every`, a generator (`enumerate(metric_logger.log_every(
+data_loader, print_freq, header))` in references/classification/train.py): an `enumerate` over it counted the
+resumed pass from 0 after the first fix too (a blind port of that reference: its EMA, updated at
+`i % model_ema_steps == 0`, took other batches).
+
 --out FILE: rank 0 saves the model, the EMA, the optimizer and the scheduler.
 """
 
@@ -45,6 +50,16 @@ class ModelEma(nn.Module):
             e.copy_(self.decay * e + (1.0 - self.decay) * m) if e.is_floating_point() else e.copy_(m)
 
 
+def log_every(iterable, print_freq, header):
+    """torchvision's MetricLogger.log_every, in small: a generator that prints every print_freq batches."""
+    i = 0
+    for obj in iterable:
+        yield obj
+        if i % print_freq == 0 and dist.get_rank() == 0:
+            print(f"{header} [{i}/{len(iterable)}]", flush=True)
+        i += 1
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=3)
@@ -76,7 +91,7 @@ def main():
         sampler.set_epoch(epoch)
         model.train()
         last_idx = iters - 1
-        for batch_idx, (xb, yb) in enumerate(loader):
+        for batch_idx, (xb, yb) in enumerate(log_every(loader, 5, f"Epoch: [{epoch}]")):
             last_batch = batch_idx == last_idx
             need_update = last_batch or (batch_idx + 1) % accum == 0
             xb = xb + 0.05 * torch.randn_like(xb)

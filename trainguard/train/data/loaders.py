@@ -192,6 +192,7 @@ class _TrainingBatches(numbering.ResumedPass):
         session.passes.begin(label, step=session.step, epoch=session.epoch, in_epoch=session.in_epoch)
         self.it = self._from_position()
         self.first = 0 if getattr(loader, "replays_pass", False) else session.in_epoch
+        self.begun()  # an enumerate over a generator that began this pass counts from `first` (numbering.py)
 
     def _from_position(self):
         session, loader = self.guard.session, self.loader
