@@ -15,18 +15,25 @@ from . import guard as guard_mod
 from .guard import current
 
 
-_first_default: int | None = None  # what this process's first run of the script passed to start_epoch()
+_first_default: dict[str, int] = {}  # what this process's first run of the script passed to start_epoch(), start_step()
 
 
-def _own_resume_point(default: int) -> bool:
-    """Whether `default` is the script's own resume point (computed or loaded) rather than its loop's first epoch: it
-    differs from what this process's first run of the script passed, or, in that run, is past 1 (a loop numbered
-    from 1 passes 1 every time; a resume point of 1 goes unmentioned)."""
-    global _first_default
-    if _first_default is None:
-        _first_default = default
+def _own_resume_point(what: str, default: int) -> bool:
+    """Whether `default` is the script's own resume point (computed or loaded) rather than its loop's first epoch or
+    step: it differs from what this process's first run of the script passed, or, in that run, is past 1 (a loop
+    numbered from 1 passes 1 every time; a resume point of 1 goes unmentioned)."""
+    if what not in _first_default:
+        _first_default[what] = default
         return default > 1
-    return default != _first_default
+    return default != _first_default[what]
+
+
+def _say_not_own(session, what: str, default: int) -> None:
+    if session.rt.rank == 0:  # the script's own resume point, computed or loaded, is not where it starts
+        print(f"trainguard: the loop starts where the job is (step {session.step}: epoch {session.epoch}, batch "
+              f"{session.in_epoch}, from {session.source}), not at the script's own resume point ({what} {default}); "
+              "a snapshot the script loaded was replaced by trainguard's state (keep that loading for runs without "
+              "trainguard)", file=sys.stderr, flush=True)
 
 
 def start_epoch(default: int = 0) -> int:
@@ -35,25 +42,31 @@ def start_epoch(default: int = 0) -> int:
     guard = current()
     guard.epochs_asked = True  # a step whose batch no trainguard loader gave is refused (guard.NO_EPOCHS)
     session = guard.ensure_started()
-    own = _own_resume_point(default)
+    own = _own_resume_point("epoch", default)
     if not session.step:  # a fresh job: the script's own resume point (its weights were broadcast from rank 0)
         session.epoch = max(session.epoch, default)
         session.passes.commit(session.epoch, session.in_epoch)
         return session.epoch
-    if own and session.rt.rank == 0:  # the script's own resume point, computed or loaded, is not where it starts
-        print(f"trainguard: the loop starts where the job is (step {session.step}: epoch {session.epoch}, batch "
-              f"{session.in_epoch}, from {session.source}), not at the script's own resume point (epoch {default}); "
-              "a snapshot the script loaded was replaced by trainguard's state (keep that loading for runs without "
-              "trainguard)", file=sys.stderr, flush=True)
+    if own:
+        _say_not_own(session, "epoch", default)
     return session.epoch
 
 
 def start_step(default: int = 0) -> int:
     """The step this process's loop starts at, for a loop over steps rather than epochs
     (`for step in range(trainguard.start_step(), steps)`): the committed steps where the job is (a
-    replacement, a rerun, the script run again after a fault), else `default`."""
+    replacement, a rerun, the script run again after a fault), else `default`. On a fresh job the job counts its
+    steps from `default` (the script's own resume point: its checkpoint's step), so a run after a fault starts where
+    the script's counter was (it started at the job's own count, 60 for 180: a blind DDPM port trained 60 steps
+    more, and wrote its step-named saves again with other weights)."""
     session = current().ensure_started()
-    return session.step if session.step else default
+    own = _own_resume_point("step", default)
+    if not session.step:
+        session.step = max(default, 0)
+        return session.step
+    if own:
+        _say_not_own(session, "step", default)
+    return session.step
 
 
 def start_batch(per_epoch: int, default: int = 0) -> int:
