@@ -388,3 +388,26 @@ def test_a_script_that_spawns_its_own_ranks_ends_the_job_at_once_naming_the_fix(
     (tmp_path / "launcher.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     summary = _check_ended_at_once(proc, "torch.multiprocessing.spawn() before the job's group is joined")
     assert "leave out --multiprocessing-distributed" in summary and "--dist-url env://" in summary, summary
+
+
+@pytest.mark.timeout(120)
+def test_an_object_registered_on_rank_0_alone_ends_the_job_at_once_naming_the_fix(tmp_path: Path) -> None:
+    """A blind DDPM port kept its EMA on rank 0 alone and registered it there: the start's check of registered objects
+    was a collective only that rank made, and the job ended as a desync (exit 79) pointing at `start_step` and the
+    backward, never at `register_state`."""
+    script = _script(tmp_path, """
+        import copy, torch, torch.distributed as dist
+        import trainguard as tg
+        dist.init_process_group("gloo")
+        model = tg.DDP(torch.nn.Linear(4, 1))
+        if dist.get_rank() == 0:
+            ema = torch.optim.swa_utils.AveragedModel(copy.deepcopy(model.module))
+            tg.register_state("ema", ema)
+        optimizer = tg.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in range(tg.start_step(), 4):
+            model(torch.randn(8, 4)).mean().backward()
+            optimizer.step()
+    """)
+    proc, _ = _run(tmp_path, script)
+    summary = _check_ended_at_once(proc, "the object 'ema' is registered")
+    assert "not on rank(s) [1]" in summary and "on every rank" in summary, summary

@@ -83,3 +83,9 @@ def test_an_ema_copied_before_ddp_differs_between_ranks_and_the_job_says_so_at_i
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert out.count(WARNING) == 1 and "make it after DDP(...)" in out, out[-3000:]
+
+
+def test_an_object_some_ranks_did_not_register_is_named():
+    assert alike.not_everywhere([{"ema": "1"}, {"ema": "1"}]) is None
+    assert "'ema' is registered" in alike.not_everywhere([{"ema": "1"}, {}, {"ema": "1"}])
+    assert "rank(s) [0]" in alike.not_everywhere([{}, {"ema": "1"}])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 
+from ...errors import ConfigError
 from ...worker.transfer import all_gather_bytes
 from .probe import digest
 
@@ -39,11 +40,26 @@ def message(name: str, ranks: list[int]) -> str:
             "make the object's values the same on every rank")
 
 
+def not_everywhere(by_rank: list[dict[str, str]]) -> str | None:
+    """What is wrong where some ranks registered an object others did not (pure), else None."""
+    names = sorted(set().union(*by_rank))
+    missing = {name: [r for r, d in enumerate(by_rank) if name not in d] for name in names}
+    missing = {name: ranks for name, ranks in missing.items() if ranks}
+    if not missing:
+        return None
+    name, ranks = next(iter(missing.items()))
+    return (f"the object {name!r} is registered (register_state, or found on the optimizer) on some ranks and not on "
+            f"rank(s) {ranks}: every rank holds the job's state, the same objects alike, and a replacement takes a "
+            "peer's. Make and register it on every rank (an EMA kept on rank 0 alone: keep it, and update it, on every "
+            "rank; only its saving needs `if rank == 0`)")
+
+
 def check(extra: dict, group) -> list[str]:
-    """At a fresh start, on every rank together: the messages for the registered objects that differ between ranks
-    (rank 0 logs them)."""
+    """At a fresh start, on every rank together (one all-gather, with or without objects: a rank that registered one
+    must not make a collective the others do not): the messages for the registered objects that differ between ranks
+    (rank 0 logs them); a ConfigError where some ranks registered an object others did not."""
     mine = {name: digest(obj.state_dict(), sampled=True) for name, obj in sorted(extra.items()) if not name.startswith(OWN)}
-    if not mine:
-        return []
     gathered = [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode(), group)]
+    if (wrong := not_everywhere(gathered)) is not None:
+        raise ConfigError(wrong)
     return [message(name, ranks) for name, ranks in unlike(gathered).items()]
