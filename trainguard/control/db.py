@@ -82,7 +82,7 @@ class ClusterDB:
             cluster = Cluster(
                 worker_num=int(meta["worker_num"]), generation=int(meta["generation"]),
                 formed=meta["formed"] == "1", job=JobState(meta["job"]), root_cause=meta.get("root_cause", ""),
-                next_generated_id=int(meta.get("next_generated_id", "0")),
+                next_generated_id=int(meta.get("next_generated_id", "0")), committed=int(meta.get("committed", "0")),
             )
             now = time.monotonic()
             for node_id, rank, host, pid, inc, state, failures in rows:
@@ -102,7 +102,7 @@ class ClusterDB:
             "schema": str(SCHEMA_VERSION), "worker_num": str(cluster.worker_num),
             "generation": str(cluster.generation), "formed": "1" if cluster.formed else "0",
             "job": cluster.job.value, "root_cause": cluster.root_cause,
-            "next_generated_id": str(cluster.next_generated_id),
+            "next_generated_id": str(cluster.next_generated_id), "committed": str(cluster.committed),
         }
         ids = cluster.nodes.keys() | self._written.keys() if touched is None else touched
         rows = {node_id: _row(cluster.nodes[node_id]) for node_id in ids if node_id in cluster.nodes}

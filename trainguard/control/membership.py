@@ -87,6 +87,8 @@ class Cluster:
     next_generated_id: int = 0
     members: tuple[str, ...] = ()  # node ids of the formed generation, in generation-rank order
     finishing: tuple[str, ...] = ()  # elastic: the members whose generation agreed to finish (training done)
+    committed: int = 0  # the newest step the job was seen to commit, kept in cluster.db: a rerun after every process
+    # died must not start over silently (restore_plan.choose_from_disk); scheduler.py keeps it at most every 10 s
 
 
     def alive(self) -> list[Node]:

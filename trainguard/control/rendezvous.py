@@ -106,7 +106,7 @@ class Rendezvous:
         got = self._agreements.setdefault(key, {})
         got[fm.generation_rank(c, node.node_id)] = req.payload
         if len(got) == fm.generation_size(c) and key not in self._decisions:
-            decision = decide_agreement(req.purpose, got, max(self._known_step, core.view.job_step()))
+            decision = decide_agreement(req.purpose, got, max(self._known_step, core.view.job_step(), c.committed))
             if isinstance(decision, RestoreDecision) and decision.step is not None:
                 self._known_step = max(self._known_step, decision.step)
             self._decisions[key] = decision

@@ -56,7 +56,8 @@ def choose_from_disk(disk_steps: dict[int, list[int]], known_step: int = 0) -> R
         return failed_restore(
             f"every rank lost its live state (the job had committed {known_step} steps) and no checkpoint "
             "holds any step: starting over would silently redo them with a fresh schedule. Give the job "
-            "a checkpoint directory (TG_CHECKPOINT_DIR, or ModelCheckpoint) to resume from disk", known_step)
+            "a checkpoint directory (TG_CHECKPOINT_DIR, or ModelCheckpoint) to resume from disk; to start over "
+            "(or from the script's own checkpoint), run it with a new --recovery-path", known_step)
     if not any(disk.values()):
         return RestoreDecision(step=0, fresh=True, from_step=0, sources=[Source(kind=SourceKind.INIT) for _ in ranks])
     have = "; ".join(f"rank {r}: disk {sorted(disk[r])}" for r in ranks)

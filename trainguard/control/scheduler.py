@@ -1,8 +1,7 @@
 """The scheduler: an asyncio server that holds membership, fences stale actors and serves rendezvous.
 
-It carries out the pure decisions of membership.py, persists every membership change to
-cluster.db when recovery is on, and answers blocking requests (join, agree, store waits)
-by waiting on one condition that is notified on every change.
+It carries out the pure decisions of membership.py, persists every membership change (and the job's step) to
+cluster.db when recovery is on, and answers blocking requests (join, agree, store waits) by waiting on one condition.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from .status import JobView
 from .watch import Watch
 
 log = logging.getLogger("trainguard.scheduler")
+STEP_KEPT_S = 10.0  # how often the job's committed step is written to cluster.db (one fsync), at most
 
 MAX_CONNECTIONS_BASE = 256  # open connections beyond 4 per worker (2 each, reconnects, agents, tools)
 PENDING_PER_PEER_BASE = 64  # connections of one address still in the handshake, beyond 1 per worker: one flooding
@@ -88,6 +88,7 @@ class Scheduler:
         self.kv = KVStore()
         self.agents = AgentBoard(PlacementPolicy.from_env(os.environ), self.events)
         self._liveness: dict[int, tuple[str, int]] = {}  # id(connection) -> (node_id, incarnation)
+        self._step_kept = 0.0  # when cluster.committed was last written (_keep_step)
         self._conns: set[SchedulerConnection] = set()  # open connections, closed at job end
         self._changes = Changes()  # what blocking requests wait on
         self._done: asyncio.Event | None = None
@@ -176,8 +177,7 @@ class Scheduler:
             n.state in (m.NodeState.ALIVE, m.NodeState.UNKNOWN) for n in self.cluster.nodes.values())
 
     async def _linger(self) -> None:
-        """A failed job: keep answering (status, finish) until the live workers have left, at most
-        LINGER_MAX_S, so survivors can learn who died (dump) and say goodbye."""
+        """A failed job: answer (status, finish) until the workers left, at most LINGER_MAX_S (survivors say goodbye)."""
         deadline = time.monotonic() + min(self.cfg.heartbeat_timeout, LINGER_MAX_S)
         while self._liveness and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -203,6 +203,7 @@ class Scheduler:
             await asyncio.sleep(period)
             if self.metrics is not None:  # the endpoint's thread reads what the loop publishes
                 self._publish()
+            self._keep_step(time.monotonic())
             for node in m.expired(self.cluster, time.monotonic(), self.cfg.heartbeat_timeout):
                 detail = f"no heartbeat for {self.cfg.heartbeat_timeout:g} s"
                 self._fail(node.node_id, node.incarnation, p.FailureKind.HEARTBEAT, detail)
@@ -210,6 +211,13 @@ class Scheduler:
             if self.elastic and not self.cluster.formed:  # a dead member's deadline may have passed
                 self.rendezvous.try_form()
             self.watch.check()
+
+    def _keep_step(self, now: float) -> None:
+        """The job's newest committed step into cluster.db: at the first commit, then at most every STEP_KEPT_S."""
+        step, c = self.view.job_step(), self.cluster
+        if step > c.committed and (not c.committed or now - self._step_kept >= STEP_KEPT_S):
+            c.committed, self._step_kept = step, now
+            self.persist()
 
     def _publish(self) -> None:
         """A fault in the metrics view is logged and never stops the failure detection that follows it."""
