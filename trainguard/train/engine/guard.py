@@ -51,7 +51,7 @@ from ..state import discover
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
 from ..state.shardckpt import ShardedSaver
 from ..state.train_state import TrainState
-from . import audit, holds, instep, pastend, tail, rewind as rewind_mod
+from . import audit, holds, instep, pastend, tail, unheld, rewind as rewind_mod
 from .audit import Audit
 from .batches import StepBatches
 from .callbacks import Callback
@@ -100,6 +100,7 @@ class Guard:
                            sharded=sharding.is_sharded(model))
         rt = rt_mod.joined()
         callbacks = [obj for obj in self.stateful.values() if isinstance(obj, Callback)]  # a stream's anchors
+        callbacks.append(unheld.UnheldWatch())  # modules training moves that nothing holds, named (unheld.py)
         if opt.checkpoints is not None:
             callbacks.append(ShardedSaver(opt.checkpoints, state, rt, sharding.job_mesh()))
         # the per-rank dying gasp: where the script gives sliced checkpoints, only if asked for, or for a dump after a
