@@ -261,6 +261,7 @@ class Heartbeater(threading.Thread):
         self.job_over = False
         self.verdict = 0  # the exit code of a verdict about the script that ended the job (exitcodes.VERDICTS)
         self.fenced = ""
+        self.leaving = threading.Event()  # the worker says goodbye: a beat refused as "finished" is no error
         self.connected = threading.Event()
         self._halt = threading.Event()  # not `_stop`: that is Thread's own method, which a forked child
         # (a DataLoader worker) calls on every thread it inherited
@@ -283,7 +284,8 @@ class Heartbeater(threading.Thread):
                     raise SchedulerUnavailable(reply.message)
                 if isinstance(reply, p.Error):
                     self.fenced = reply.message
-                    log.error("scheduler refused heartbeat: %s", reply.message)
+                    if not self.leaving.is_set():  # one in flight as the goodbye lands is refused: no error
+                        log.error("scheduler refused heartbeat: %s", reply.message)
                     self.on_news()
                     return
                 moved = reply.generation > self.generation_seen

@@ -151,9 +151,8 @@ class Runtime:
                 log.warning("aborting the NCCL group of generation %d: %s", self.generation, exc)
 
     def track_group(self, before: dict[int, str], group) -> None:
-        """A group made after the default one (a mesh's dimensions, a side group, the script's own `new_group`):
-        its gloo sockets, opened since `before`, are cut with this generation's group, so that a collective
-        blocked in them fails at once too. NCCL's are not ours to cut (it is aborted)."""
+        """A group made after the default one (a mesh's dimension, a side group, the script's `new_group`): its gloo
+        sockets opened since `before` are cut with this generation's group; NCCL's are not ours to cut (aborted)."""
         if not isinstance(group, dist.ProcessGroup):  # this rank is not a member
             return
         self._groups.append(group)  # dropped with the generation (graveyard.py)
@@ -272,6 +271,7 @@ class Runtime:
         if self.finished:
             return
         self.finished = True
+        self.heart.leaving.set()
         try:
             if ok and not stopped and self.group is not None:  # the last collective done on every rank (store.py)
                 leave_together(self._store, self.generation, self.rank, self.world_size, LEAVE_TOGETHER_S)
