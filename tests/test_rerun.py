@@ -31,7 +31,7 @@ def committed(recovery) -> int:
 
 def test_a_rerun_after_every_process_died_says_nothing_holds_the_state_instead_of_starting_over(tmp_path):
     recovery = tmp_path / "recovery"
-    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "3", "--hot-spares", "0", "--recovery-path",
+    cmd = [sys.executable, "-m", "trainguard", "run", "--workers", "2", "--hot-spares", "0", "--recovery-path",
            str(recovery), str(JOB), "--steps", "100000"]
     with open(tmp_path / "first.log", "w") as log:
         job = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=log, stderr=subprocess.STDOUT,
