@@ -106,18 +106,19 @@ def mark(t: torch.Tensor) -> Mark:
     return Mark(t.dtype, tuple(t.shape), flat[::max(1, flat.numel() // SAMPLE)][:SAMPLE].clone())
 
 
-def tensors(obj, out: list, depth: int = 0) -> list:
-    """The first MAX_TENSORS tensors in `obj` (nested lists, tuples and dicts, a model output's fields)."""
-    if len(out) >= MAX_TENSORS or depth > 3:
+def tensors(obj, out: list, depth: int = 0, *, limit: int | None = MAX_TENSORS, deepest: int | None = 3) -> list:
+    """The first `limit` tensors in `obj` (nested lists, tuples and dicts, a model output's fields) down to `deepest`
+    levels; None: all of them (unheld.py's walk of a state dict)."""
+    if (limit is not None and len(out) >= limit) or (deepest is not None and depth > deepest):
         return out
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            tensors(item, out, depth + 1)
+            tensors(item, out, depth + 1, limit=limit, deepest=deepest)
     elif isinstance(obj, dict):
         for item in obj.values():
-            tensors(item, out, depth + 1)
+            tensors(item, out, depth + 1, limit=limit, deepest=deepest)
     return out
 
 

@@ -22,6 +22,7 @@ import sys
 import torch
 from torch import nn
 
+from .audit import tensors
 from .callbacks import Callback
 from .probe import digest
 
@@ -36,26 +37,21 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _tensors(obj, out: list) -> list:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensors(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensors(v, out)
-    return out
+def _all_tensors(state) -> list:
+    return tensors(state, [], limit=None, deepest=None)
 
 
 def unheld_modules(model, extras: dict) -> list[nn.Module]:
     """The outermost modules with tensors of their own that none of the held state shares (all of them: gc)."""
-    held = {_storage(t) for t in _tensors(model.state_dict(), [])}
+    held = {_storage(t) for t in _all_tensors(model.state_dict())}
+    skip = {id(m) for m in model.modules()}  # the held model's modules: nothing to walk there
     for obj in extras.values():
-        held.update(_storage(t) for t in _tensors(obj.state_dict(), []))
+        held.update(_storage(t) for t in _all_tensors(obj.state_dict()))
+        if isinstance(obj, nn.Module):
+            skip.update(id(m) for m in obj.modules())
     found = []
     for obj in gc.get_objects():
-        if isinstance(obj, nn.Module):
+        if isinstance(obj, nn.Module) and id(obj) not in skip:
             own = [*obj.parameters(), *obj.buffers()]
             if own and not all(_storage(t) in held for t in own):
                 found.append(obj)
