@@ -231,8 +231,11 @@ def test_faults_around_a_recovery_inside_the_step_end_bit_identical(tmp_path, ba
     states, evals, took, proc = run(tmp_path, workers, fault=fault, at_collective=at_collective, spares=2)
     log = events(tmp_path)
     assert len([e for e in log if e["event"] == "fault_injected"]) == 3, what
-    if stayed is not None:
-        assert len([e for e in log if e["event"] == "restored" and e.get("in_step")]) == stayed, what
+    if stayed is not None:  # or one ran the script again: it heard of the fault after its next batch (as above)
+        kept = [e for e in log if e["event"] == "restored" and e.get("in_step")]
+        assert kept, what
+        late = [e for e in log if e["event"] == "rewind" and e["generation"] == kept[0]["generation"]]
+        assert len(kept) + len(late) == stayed, (what, kept, late)
     assert [e for e in log if e["event"] == "rewind" and e["generation"] > 1], f"{what}: nobody rewound after the first"
     for r in range(workers):
         assert_identical(states[r], want_states[r], f"rank {r}")

@@ -50,8 +50,8 @@ def unheld_modules(model, extras: dict) -> list[nn.Module]:
         if isinstance(obj, nn.Module):
             skip.update(id(m) for m in obj.modules())
     found = []
-    for obj in gc.get_objects():
-        if isinstance(obj, nn.Module) and id(obj) not in skip:
+    for obj in gc.get_objects():  # type(): isinstance would ask each object's __class__, which some warn on
+        if issubclass(type(obj), nn.Module) and id(obj) not in skip:
             own = [*obj.parameters(), *obj.buffers()]
             if own and not all(_storage(t) in held for t in own):
                 found.append(obj)
