@@ -28,7 +28,7 @@ from ...errors import ConfigError
 from ..engine import guard as guard_mod
 from ..engine import rewind as rewind_mod
 from ..state.streams import fetch_pass, key_seed
-from . import numbering, passes, streamstate
+from . import numbering, ownsampler, passes, streamstate
 from .loaderseed import seed_loader_samples
 from .plainloaders import Resumable
 from ...worker import runtime as rt_mod
@@ -44,6 +44,13 @@ class DistributedSampler(ShardedSampler):
                  seed: int = 0, drop_last: bool = False):
         super().__init__(dataset, num_shards=num_replicas, shard_id=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
+        self.dataset = dataset
+
+    # torch's DistributedSampler's attributes, which subclasses (a bucketing sampler) and scripts read
+    num_replicas = property(lambda self: self.num_shards)
+    rank = property(lambda self: self.shard_id)
+    num_samples = property(lambda self: len(self))
+    total_size = property(lambda self: len(self) * self.num_shards)
 
 
 class DataLoader(torch.utils.data.DataLoader, Resumable):
@@ -58,14 +65,19 @@ class DataLoader(torch.utils.data.DataLoader, Resumable):
             batch = kwargs.pop("batch_size", args[1] if len(args) > 1 else 1)
             sampler.set_virtual(rt_mod.current().cfg.virtual_shards, here, batch)
             args, kwargs = args[:1] + args[2:], {**kwargs, "batch_size": batch * len(here)}
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **ownsampler.wrap(kwargs, args[0] if args else kwargs.get("dataset"), ShardedSampler))
         self.tg_index = rewind_mod.next_loader_index()
         self.tg_kept = streamstate.attach(self)  # a stream that keeps its own position: its workers' states
         numbering.install()  # enumerate(loader) over a resumed pass counts from its batch (numbering.py)
 
     def __iter__(self):
-        return guarded_iter(self, lambda session: seed_loader_samples(self, sharded_sampler(self), session.streams.seed,
-                                                                      in_main=self.tg_virtual))
+        return guarded_iter(self, self._before_pass)
+
+    def _before_pass(self, session) -> None:
+        own = ownsampler.own_sampler(self)
+        seed_loader_samples(self, sharded_sampler(self) or own, session.streams.seed, in_main=self.tg_virtual)
+        if own is not None:  # the first pass, before the first commit, may be the training loader's: drawn keyed
+            own.begin(pass_key(session, self) if session.train_loader in (None, self.tg_index) else None)
 
     def plain_iter(self):
         return super().__iter__()
@@ -145,7 +157,7 @@ class _OtherBatches:
 
     def __init__(self, loader: DataLoader, guard: "guard_mod.Guard"):
         self.loader, self.guard = loader, guard
-        self.label = getattr(loader.sampler, "epoch", 0)
+        self.label = pass_label(loader)
         # before the first commit this may be the training loader's first pass: its fetches are keyed (streams.py)
         self.fetches = _Fetches(loader, guard.session.epoch) if guard.session.train_loader is None else None
         self.it = loader.quiet_iter(guard.session) if is_stream(loader) else loader.plain_iter()
@@ -182,7 +194,7 @@ class _TrainingBatches(numbering.ResumedPass):
         self.loader, self.guard = loader, guard
         session = guard.session
         self.restores = session.restores
-        label = getattr(loader.sampler, "epoch", 0)  # a stream has no set_epoch: one label
+        label = pass_label(loader)  # a stream has no set_epoch: one label
         done = passes.pass_done(taken(guard), loader)  # with the step's batches so far
         if (session.passes.ended and done) or session.passes.next_pass(label, done):
             session.roll_epoch(session.epoch + 1)  # the next epoch's pass begins (set_epoch's number is only its label)
@@ -197,7 +209,12 @@ class _TrainingBatches(numbering.ResumedPass):
     def _from_position(self):
         session, loader = self.guard.session, self.loader
         if not replays(loader):
-            loader.sampler.set_position(session.in_epoch * (loader.batch_size or 1))  # None: a sample a batch
+            own = ownsampler.own_sampler(loader)
+            per = 1 if own is not None and own.unit == "batch" else loader.batch_size or 1  # None: a sample a batch
+            if own is not None:
+                own.begin(pass_key(session, loader), session.in_epoch * per)
+            else:
+                loader.sampler.set_position(session.in_epoch * per)
             self.fetches = _Fetches(loader, session.epoch, session.in_epoch)  # each fetch is keyed (streams.py)
             return loader.quiet_iter(session)
         # no position to set: read the pass again up to the committed batch, from a saved state where the stream
@@ -279,6 +296,17 @@ def end_pass(loader) -> None:
         session.passes.end(session.state)
 
 
+def pass_key(session, loader) -> int:
+    """The key of this rank's pass of `loader` over the session's epoch (a sampler of the script's own draws from it)."""
+    return key_seed(session.streams.seed or 0, session.rt.rank, f"pass/{loader.tg_index}/{session.epoch}")
+
+
+def pass_label(loader) -> int:
+    """The number the script gave the pass with `set_epoch` (its sampler's or its batch sampler's), else 0."""
+    label = getattr(loader.sampler, "epoch", None)
+    return label if label is not None else getattr(getattr(loader, "batch_sampler", None), "epoch", 0)
+
+
 def is_stream(loader) -> bool:
     return isinstance(loader.dataset, torch.utils.data.IterableDataset)
 
@@ -299,9 +327,16 @@ def refuse_unresumable(loader, *, elastic: bool) -> None:
                               "again. Use a map-style dataset with trainguard.DistributedSampler, or another recover "
                               "strategy")
         return
+    own = ownsampler.own_sampler(loader)
+    if own is not None:
+        ownsampler.refuse_unresumable(own, elastic=elastic, virtual=shards_here() is not None)
+        return
     if not isinstance(loader.sampler, ShardedSampler):
-        raise ConfigError("the loader that drives the training steps needs sampler=trainguard.DistributedSampler("
-                          "dataset), so that its position can be restored after a failure")
+        name = type(loader.sampler).__name__
+        raise ConfigError(f"the loader that drives the training steps has no distributed sampler ({name}: every "
+                          "rank would read the whole dataset): give it sampler=trainguard."
+                          "DistributedSampler(dataset), whose position trainguard restores after a failure (or a "
+                          "distributed sampler or batch sampler of the script's own, passed by keyword)")
 
 
 def _quietly(make, seed: int | None = None):

@@ -18,6 +18,8 @@ does a step whose forwards the guard does not see (a model trainguard does not w
 
 from __future__ import annotations
 
+from ...errors import ConfigError
+
 SEVERAL = 2  # `ahead` (else 0 or 1) of a job whose forwards take several batches each: none is ever taken ahead
 
 
@@ -59,9 +61,12 @@ class StepBatches:
         """Batches of this pass fetched and not committed: since the last commit, and the one taken ahead."""
         return self.fetched + self.ahead
 
-    def commit(self) -> int:
-        """The step commits: the batches it adds to the position (at least one, within a pass)."""
+    def commit(self, known: bool = False) -> int:
+        """The step commits: the batches it adds to the position (at least one, within a pass). `known`: the job
+        knows its training loader, from which this step then took a batch, else ConfigError (two updates a batch)."""
         pending = self.pending()
+        if known and self.lookahead and not (pending or self.rolled or self.several):
+            raise ConfigError(TWO_UPDATES)
         extra = pending - self.forwards if self.forwards and self.lookahead and not self.several else 0
         if extra > 1:
             self.several, extra = True, 0
@@ -73,3 +78,11 @@ class StepBatches:
     def committed_ahead(self) -> int:
         """What travels with the position (pure read)."""
         return SEVERAL if self.several else self.ahead
+
+
+TWO_UPDATES = ("optimizer.step() was called a second time on the same batch: this step took no batch from the loader "
+               "that drives the training steps (a GAN's discriminator and generator updates, each a step()). trainguard "
+               "commits one update a batch and resumes at the batch after the last commit, so a fault between the two "
+               "updates would resume past the batch whose second update never ran. Two updates a batch (a GAN's "
+               "alternating ones) are not covered: make one update a batch, or loop over trainguard.start_step() with "
+               "each step deriving its batch and its phase from the step number")

@@ -244,7 +244,7 @@ class Guard:
         self.in_step = False
         if (found := self.audit.update(session.step, self.optimizer.param_groups)) is not None:
             audit.report(session, found)  # the LR the script wrote: from a counter of its own that started again?
-        batches = self.batches.commit()  # batches.py: one taken ahead is the next step's
+        batches = self.batches.commit(session.train_loader is not None)  # batches.py: one taken ahead is the next's
         try:
             result = self.optimizer.optimizer.step()
             if closure is not None:
@@ -390,7 +390,7 @@ def register_state(name: str, obj) -> None:
     target = _guard.stateful if _guard is not None else _pending_state
     if _guard is not None and _guard.session is not None:
         raise ConfigError(f"register_state({name!r}, ...) after training started: register it before the first "
-                          "forward, batch or start_epoch()")
+                          "forward, batch, start_step() or start_epoch()")
     if name in target:
         raise ConfigError(f"register_state: the name {name!r} is taken")
     target[name] = obj

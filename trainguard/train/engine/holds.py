@@ -26,11 +26,15 @@ def check(model, optimizer: torch.optim.Optimizer, registered) -> None:
     for dp in list(DataParallel.instances):
         if dp is not model and dp.sync.hooked and any(p.requires_grad for p in dp.module.parameters()):
             n = sum(p.numel() for p in dp.module.parameters())
+            stepped = any(id(p) in params for p in dp.module.parameters())
+            why = ("the optimizer steps both, but trainguard holds one model: put the networks in one module (an "
+                   "nn.ModuleDict) under one trainguard.DDP" if stepped else "its gradients would not be averaged "
+                   "over the ranks, nor its state recovered")
             raise ConfigError(f"a second trainguard.DDP ({type(dp.module).__name__}, {n} parameters) trains beside the "
-                              "model trainguard holds (the one whose parameters trainguard.Optimizer steps): its "
-                              "gradients would not be averaged over the ranks, nor its state recovered. trainguard "
-                              "holds one model and one optimizer a process, one update a step: two networks with "
-                              "optimizers of their own (a GAN's generator and discriminator) are not covered")
+                              f"model trainguard holds (the one whose parameters trainguard.Optimizer steps): {why}. "
+                              "trainguard holds one model and one optimizer a process, one update a batch: two "
+                              "networks with updates of their own (a GAN's generator and discriminator) are not "
+                              "covered")
     loose = {id(p) for p in model.parameters() if p.requires_grad} - params if model is not None else set()
     for other in _optimizers() if loose else ():  # the model's parameters the optimizer does not step: does another?
         if other is not optimizer and any(id(p) in loose for g in other.param_groups for p in g["params"]):

@@ -51,6 +51,13 @@ class Optimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
+    def __class__(self):
+        """The wrapped optimizer's class, to `isinstance` only (type() stays this one): an LR scheduler made on this
+        wrapper, after it, as scripts that wrap the optimizer where they make it do, is accepted (torch's schedulers
+        refuse what is not a torch.optim.Optimizer), and is found and held with the rest (discover.py)."""
+        return type(self.optimizer)
+
+    @property
     def param_groups(self):
         return self.optimizer.param_groups
 

@@ -37,7 +37,7 @@ from torch import nn
 from ...errors import ConfigError
 from ...worker import runtime
 from ...worker.transfer import broadcast_module
-from ..state.buffers import BufferGuard, BufferShare, module_buffers
+from ..state.buffers import BufferGuard, BufferShare, module_buffers, moving_frozen
 from .gradsync import GradSync
 
 log = logging.getLogger("trainguard.parallel")
@@ -76,7 +76,7 @@ class DataParallel(nn.Module):
         buffers = module_buffers(module)
         if broadcast_buffers:
             self.sync.share = BufferShare(buffers)
-        object.__setattr__(self, "buffer_guard", BufferGuard(buffers))
+        object.__setattr__(self, "buffer_guard", BufferGuard(buffers + moving_frozen(module)))
         object.__setattr__(self, "_own_buffers", buffers)
         object.__setattr__(self, "_buffers_at_step", [])  # under virtual shards: the buffers as the step began
         object.__setattr__(self, "_buffers_first", None)  # and as the rank's first shard's forward left them

@@ -36,6 +36,20 @@ def module_buffers(module: nn.Module) -> list[torch.Tensor]:
     return list(seen.values())
 
 
+def moving_frozen(module: nn.Module) -> list[torch.Tensor]:
+    """Parameters a forward may move outside the optimizer's update, which a step cut short must put back as it does
+    the buffers: the frozen (requires_grad=False) floating ones, when they hold no more than the trainable ones do (a
+    momentum encoder updated in the forward, MoCo's `encoder_k`, a mean teacher inside the model: a blind MoCo port
+    exited 0 with other weights, the momentum applied twice at each rewind). A frozen backbone bigger than what
+    trains is left out: its copy at every commit would cost more than the update (docs/porting.md)."""
+    seen: dict[int, torch.Tensor] = {}
+    for p in module.parameters():
+        seen.setdefault(id(p), p)
+    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
+    frozen = [p for p in seen.values() if not p.requires_grad and p.is_floating_point()]
+    return frozen if sum(p.numel() for p in frozen) <= trainable else []
+
+
 class BufferShare:
     """Rank 0's buffers to every rank, riding in the step's exchange (see the module docstring): in the last gradient
     bucket's tail (train/parallel/riders.py) where it can, else as one all-reduce per dtype beside it."""
@@ -77,16 +91,19 @@ class BufferShare:
 
     @torch.no_grad()
     def take(self, view: torch.Tensor) -> None:
+        """Every rank takes rank 0's values, through `.data`, which leaves the buffers' version counters as they were: a
+        graph that saved them before this exchange (a second loss backwarded from the same forward, `retain_graph`)
+        would otherwise fail its backward, as it does not under torch's DDP, which writes them at the forward."""
         at = 0
         for b in self._own:
-            b.copy_(view[at:at + b.numel()].view(b.shape))
+            b.data.copy_(view[at:at + b.numel()].view(b.shape))  # .data: see take()'s docstring
             at += b.numel()
         if self._bytes:
             raw = view[at:].round().to(torch.uint8)
             at = 0
             for b in self._bytes:
                 n = b.numel() * b.element_size()
-                b.copy_(raw[at:at + n].clone().view(b.dtype).view(b.shape))  # clone: aligned
+                b.data.copy_(raw[at:at + n].clone().view(b.dtype).view(b.shape))  # clone: aligned
                 at += n
 
     # --- beside it ----------------------------------------------------------------------------------------------
@@ -109,7 +126,7 @@ class BufferShare:
             offset = 0
             for b in bs:
                 n = b.numel()
-                b.copy_(flat[offset:offset + n].view(b.shape))
+                b.data.copy_(flat[offset:offset + n].view(b.shape))  # .data: as in take()
                 offset += n
 
 
