@@ -51,7 +51,7 @@ from ..state import discover
 from ..state.checkpointing import CheckpointConfig, ExceptionCheckpoint
 from ..state.shardckpt import ShardedSaver
 from ..state.train_state import TrainState
-from . import audit, holds, instep, pastend, tail, unheld, rewind as rewind_mod
+from . import audit, holds, instep, pastend, plainvars, tail, unheld, rewind as rewind_mod
 from .audit import Audit
 from .batches import StepBatches
 from .callbacks import Callback
@@ -145,6 +145,7 @@ class Guard:
     def close(self) -> None:
         """This run of the script is over (a rewind): disarm the signals, forget the exit barrier."""
         tail.left(self.session.step if self.session is not None else 0)
+        plainvars.rewound()
         if self._armed is not None:
             self._armed.__exit__(None, None, None)
             self._armed = None
@@ -215,6 +216,7 @@ class Guard:
         prologue.step_began()
         if (found := tail.step_begins(session.step)) is not None:  # code after the update, skipped by this run? (tail.py)
             audit.report(session, found)
+        plainvars.step_begins(session)  # after a rewind: the script's variables that started again (plainvars.py)
         self.step_loader = loader if loader is not None else self.recent_loader
 
     def training_batch(self, loader: int, lookahead: bool) -> bool:
