@@ -31,14 +31,12 @@ import weakref
 
 import torch
 
+from .ledger import OURS
+
 _script_dir: str | None = None
 _made: "weakref.WeakKeyDictionary[torch.Generator, int | None]" = weakref.WeakKeyDictionary()  # -> the script's
 # seed for it, noted the first time it is keyed (None: not yet)
 _lock = threading.Lock()
-_OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-         os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
-
-
 class ScriptGenerator(torch.Generator):
     """`torch.Generator`, noted when the script's own code makes it."""
 
@@ -55,7 +53,7 @@ def _made_by_script(frame) -> bool:
     if frame is None or _script_dir is None:
         return False
     path = os.path.abspath(frame.f_code.co_filename)
-    return (path.startswith(_script_dir) and not path.startswith(_OURS)
+    return (path.startswith(_script_dir) and not path.startswith(OURS)
             and "site-packages" not in path and "dist-packages" not in path)
 
 

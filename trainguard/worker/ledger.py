@@ -43,8 +43,8 @@ POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv
 UNEVEN = frozenset({"all_to_all", "all_to_all_single", "all_gather_object", "gather_object", "scatter_object_list",
                     "broadcast_object_list", "gather", "scatter"})  # shapes may differ by rank: only the op counts
 _CONTROL = {c: "?" for c in (*range(32), 0x7F)}
-_OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-         os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # trainguard's and torch's code: a
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)  # frame elsewhere is the script's (or its library's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +88,7 @@ def call_site(frame) -> str:
     """file:line of the innermost frame outside torch and trainguard (the script's, or its library's)."""
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_OURS) and not name.startswith("<frozen"):
+        if not name.startswith(OURS) and not name.startswith("<frozen"):
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"

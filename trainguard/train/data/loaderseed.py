@@ -51,8 +51,17 @@ class SampleKey(int):
 
 def sample_seed(job_seed: int, epoch: int, index: int) -> int:
     """The seed of sample `index`'s draws in `epoch` (pure; no rank, no position: the same in every run)."""
-    digest = hashlib.blake2b(f"sample:{job_seed}:{epoch}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % SEED_RANGE
+    return _seed_of(f"sample:{job_seed}:{epoch}:{index}")
+
+
+def place_seed(key: int, place: int, j: int = 0) -> int:
+    """The seed of the `j`-th sample of item `place` of a pass keyed `key` (ownsampler.py: a sampler of the script's
+    own may repeat an index, so its samples are seeded by their place, not their index; pure)."""
+    return _seed_of(f"place:{key}:{place}:{j}")
+
+
+def _seed_of(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % SEED_RANGE
 
 
 def seed_loader_samples(loader, sampler, job_seed: int | None, *, in_main: bool = False) -> None:

@@ -18,17 +18,16 @@ A pass of any other loader (eval) iterates S as torch would.
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import numpy as np
 import torch
 
 from ...errors import ConfigError
-from ..state.streams import SEED_RANGE
-from .loaderseed import SampleKey
+from ..state.streams import set_stream_states, stream_states
+from .loaderseed import SampleKey, place_seed
 
-_OWN = ("inner", "unit", "key", "skip", "keys_seed")
+_OWN = ("inner", "unit", "key", "skip", "keys_seed", "last")
 
 
 class OwnSampler:
@@ -40,6 +39,7 @@ class OwnSampler:
         self.key: int | None = None  # the training pass's key: its order is drawn from it; None: S as it is
         self.skip = 0  # items of the pass to drop (a resumed position)
         self.keys_seed: int | None = None  # set with loader workers: items go out as SampleKeys (loaderseed.py)
+        self.last: tuple[tuple, list] | None = None  # ((key, epoch), order) of the last pass drawn
 
     def __getattr__(self, name):
         if name == "inner":  # not yet set (a copy being made)
@@ -59,9 +59,10 @@ class OwnSampler:
     def __iter__(self):
         if self.key is None:
             return iter(self.inner)
-        order = drawn(self.inner, self.key)
-        # `skip` stays until the next begin(): torch asks a loader's iterator for its sampler's twice
-        return self._walk(order, self.skip, self.key if self.keys_seed is not None else None)
+        mark = (self.key, getattr(self.inner, "epoch", None))  # the pass: its key and the script's set_epoch
+        if self.last is None or self.last[0] != mark:  # torch asks a loader's iterator for its sampler's twice: one
+            self.last = (mark, drawn(self.inner, self.key))  # draw a pass, and `skip` stays until the next begin()
+        return self._walk(self.last[1], self.skip, self.key if self.keys_seed is not None else None)
 
     @staticmethod
     def _walk(order: list, skip: int, key: int | None):
@@ -71,22 +72,14 @@ class OwnSampler:
 
 def drawn(sampler, key: int) -> list:
     """`sampler`'s whole pass, drawn with the global random streams seeded from `key`, which are put back after."""
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    saved = stream_states()
     try:
-        random.seed(key)
+        random.seed(key)  # not seed_streams(): CUDA's stream, which a sampler does not draw from, is left alone
         np.random.seed(key % (1 << 32))
         torch.default_generator.manual_seed(key)
         return list(sampler)
     finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
-
-
-def place_seed(key: int, place: int, j: int = 0) -> int:
-    """The seed of the `j`-th sample of item `place` of the pass keyed `key` (pure)."""
-    digest = hashlib.blake2b(f"place:{key}:{place}:{j}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % SEED_RANGE
+        set_stream_states(saved)
 
 
 def _keyed(item, key: int, place: int):

@@ -25,11 +25,9 @@ import sys
 import sysconfig
 import time
 
-import torch
+from ...worker.ledger import OURS
 
-_SKIP = tuple({os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
-               os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-               *(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib"))})
+_SKIP = tuple({*OURS, *(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib"))})
 FRAMES = 4  # the script's frames looked at, innermost first
 KEPT = 3  # step beginnings noted in this run of the script
 _STARTED = time.perf_counter() - 1.0  # a float between this and now is a clock's reading (Linux: both CLOCK_MONOTONIC)
